@@ -1,0 +1,2 @@
+// smp C++ API umbrella header. See docs/cpp_api.md.
+#pragma once

@@ -1,0 +1,8 @@
+// Registration functions of the smp._C submodules, one per source folder.
+#pragma once
+#include <torch/csrc/utils/pybind.h>
+
+namespace smp::python {
+void bind_core(pybind11::module_& m);       // config, topology, runtime, object comm
+void bind_partition(pybind11::module_& m);  // partition planner
+}  // namespace smp::python

@@ -1,0 +1,11 @@
+// smp._C: the C++ core of smp. `import torch` must precede this import (the torch
+// pybind11 types it uses are registered by torch).
+#include "bindings.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "smp C++ core";
+  smp::python::bind_core(m);
+#ifdef SMP_HAVE_SMP_PARTITION
+  smp::python::bind_partition(m);
+#endif
+}

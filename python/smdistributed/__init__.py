@@ -1,0 +1,1 @@
+"""Compatibility shim: SMP v1 scripts import smdistributed.modelparallel.torch."""

@@ -1,0 +1,50 @@
+"""smp: model-parallel training for PyTorch with a C++ core.
+
+A script written for ``smdistributed.modelparallel.torch`` runs with
+``import smp`` (or unchanged, through the ``smdistributed`` shim).
+"""
+import torch  # noqa: F401  (must precede smp._C: it registers torch's pybind11 types)
+
+from smp import _C
+from smp import amp
+from smp.core import (
+    CommGroup, ConfigError, RankType, allgather, barrier, broadcast, dp_barrier, dp_rank,
+    dp_size, gather, get_dp_group, get_dp_process_group, get_mp_group,
+    get_mp_process_group, get_pp_group, get_pp_process_group, get_rdp_group,
+    get_rdp_process_group, get_tp_group, get_tp_process_group, get_world_process_group,
+    init, is_initialized, is_tracing, local_rank, local_size, mp_barrier, mp_rank, mp_size,
+    num_microbatches, pp_barrier, pp_rank, pp_size, rank, rdp_rank, rdp_size, recv_from,
+    send, shutdown, size, state, tp_rank, tp_size,
+)
+
+__version__ = "0.1.0"
+
+CommError = _C.CommError
+SMPTimeoutError = _C.SMPTimeoutError
+
+WORLD = CommGroup.WORLD
+PP_GROUP = CommGroup.PP_GROUP
+TP_GROUP = CommGroup.TP_GROUP
+RDP_GROUP = CommGroup.RDP_GROUP
+DP_GROUP = CommGroup.DP_GROUP
+MP_GROUP = CommGroup.MP_GROUP
+WORLD_RANK = RankType.WORLD_RANK
+PP_RANK = RankType.PP_RANK
+TP_RANK = RankType.TP_RANK
+RDP_RANK = RankType.RDP_RANK
+DP_RANK = RankType.DP_RANK
+MP_RANK = RankType.MP_RANK
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "state", "ConfigError", "CommError",
+    "SMPTimeoutError", "rank", "size", "local_rank", "local_size", "mp_rank", "mp_size",
+    "pp_rank", "pp_size", "dp_rank", "dp_size", "tp_rank", "tp_size", "rdp_rank",
+    "rdp_size", "get_world_process_group", "get_mp_process_group", "get_dp_process_group",
+    "get_pp_process_group", "get_tp_process_group", "get_rdp_process_group",
+    "get_dp_group", "get_pp_group", "get_mp_group", "get_tp_group", "get_rdp_group",
+    "CommGroup", "RankType", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP",
+    "MP_GROUP", "WORLD_RANK", "PP_RANK", "TP_RANK", "RDP_RANK", "DP_RANK", "MP_RANK",
+    "barrier", "pp_barrier", "dp_barrier", "mp_barrier", "broadcast", "send",
+    "recv_from", "allgather", "gather", "num_microbatches", "is_tracing", "amp",
+    "__version__",
+]

@@ -1,0 +1,390 @@
+"""Initialisation, topology queries, process groups and object collectives.
+
+The C++ core (``smp._C``) validates the config, checks that every rank agrees on it,
+computes the rank layout and moves the bytes; this module resolves where the config
+comes from, creates the ``torch.distributed`` groups (so they are registered with
+torch and usable with its API) and pickles objects.
+"""
+import datetime
+import enum
+import json
+import os
+import pickle
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from smp import _C
+
+__all__ = []
+
+ConfigError = _C.ConfigError
+
+
+class CommGroup(enum.Enum):
+    """Groups of SMP v1. With no tensor parallelism TP is each rank alone and RDP = DP."""
+
+    WORLD = 0
+    PP_GROUP = 1
+    TP_GROUP = 2
+    RDP_GROUP = 3
+    DP_GROUP = 4
+    MP_GROUP = 5
+
+
+class RankType(enum.Enum):
+    """Which rank a number means: global, or inside one of the caller's groups."""
+
+    WORLD_RANK = 0
+    PP_RANK = 1
+    TP_RANK = 2
+    RDP_RANK = 3
+    DP_RANK = 4
+    MP_RANK = 5
+
+
+class _State:
+    """Process-wide state: `smp.state` in SMP v1 (`smp.state.cfg.<key>`)."""
+
+    def __init__(self):
+        self.initialized = False
+        self.cfg = None
+        self.topology = None
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
+        self.local_size = 1
+        self.store = None
+        self.groups = {}
+        self.model = None
+        self.optimizer = None
+        self.microbatch = 0
+        self.tracing = False
+
+
+state = _State()
+
+
+def _config_text(config):
+    """Resolves `config` (dict, JSON path, None) to JSON text. Raises ConfigError."""
+    if config is None:
+        return _C.config_from_environment()
+    if isinstance(config, dict):
+        return json.dumps(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise ConfigError(f"smp: config path '{path}' is not a file (allowed: a dict, "
+                              "a path to a JSON file, or None)")
+        with open(path) as f:
+            return f.read()
+    raise ConfigError(f"smp: config of type {type(config).__name__} is not supported "
+                      "(allowed: a dict, a path to a JSON file, or None)")
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"smp: environment {name}='{value}' is not an integer") from None
+
+
+def _choose_backend(name):
+    if name == "auto":
+        name = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if name == "nccl":
+        if not dist.is_nccl_available():
+            raise ConfigError("smp: config 'backend'='nccl' is not available in this torch "
+                              "build (allowed here: gloo, auto)")
+        # Object collectives move CPU tensors: keep Gloo for CPU where torch allows it.
+        if int(torch.__version__.split(".")[0]) >= 2:
+            return "cpu:gloo,cuda:nccl"
+    return name
+
+
+def init(config=None):
+    """Initialises smp: config, process groups and rank layout.
+
+    Args:
+        config: a dict, a path to a JSON file, or None (then env ``SMP_CONFIG``, else
+            ``SM_HP_MP_PARAMETERS``, else defaults).
+
+    Raises:
+        ConfigError: a bad key or value, or ranks that disagree (raised on every rank).
+        SMPTimeoutError: a rank did not arrive within ``timeout_s``.
+    """
+    if state.initialized:
+        return
+    raw = _config_text(config)
+    rank = _env_int("RANK", 0) if "RANK" in os.environ else 0
+    world = _env_int("WORLD_SIZE", 1) if "RANK" in os.environ else 1
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_size = _env_int("LOCAL_WORLD_SIZE", world)
+    try:
+        timeout_s = json.loads(_C.parse_config(raw))["timeout_s"]
+    except (ConfigError, ValueError):
+        timeout_s = 300.0  # the exchange below reports the error on every rank
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    if dist.is_initialized():
+        # The script (or torchrun) initialised torch.distributed itself: join it.
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = dist.distributed_c10d._get_default_store()
+    elif world == 1:
+        store = dist.HashStore()
+    else:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = _env_int("MASTER_PORT", 0)
+        if port <= 0:
+            raise ConfigError(f"smp: environment MASTER_PORT is not set (WORLD_SIZE={world}); "
+                              "launch with smprun or torchrun")
+        store = dist.TCPStore(addr, port, world, rank == 0, timeout)
+
+    cfg_json = _C.agree_config(store, rank, world, raw)
+    cfg = json.loads(cfg_json)
+    if not dist.is_initialized():
+        dist.init_process_group(_choose_backend(cfg["backend"]), store=store, rank=rank,
+                                world_size=world, timeout=timeout)
+    topo = _C.Topology(world, cfg["partitions"], cfg["placement_strategy"])
+
+    # Every rank creates every group, in the same order (torch requires it).
+    groups = {"world": dist.group.WORLD}
+    for ranks in topo.all_pp_groups():
+        pg = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            groups["pp"] = pg
+    for ranks in topo.all_dp_groups():
+        pg = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            groups["dp"] = pg
+    for r in range(world):
+        pg = dist.new_group([r], timeout=timeout)
+        if r == rank:
+            groups["tp"] = pg
+
+    _C.install(cfg_json, rank, world, local_rank, local_size, store,
+               groups["world"], groups["pp"], groups["dp"])
+    state.cfg = SimpleNamespace(**cfg)
+    state.topology = topo
+    state.rank, state.world_size = rank, world
+    state.local_rank, state.local_size = local_rank, local_size
+    state.store = store
+    state.groups = groups
+    state.initialized = True
+
+
+def shutdown():
+    """Tears down smp's groups (tests and scripts that re-initialise)."""
+    if not state.initialized:
+        return
+    _C.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    state.__init__()
+
+
+def _require_init():
+    if not state.initialized:
+        raise RuntimeError("smp: not initialized; call smp.init() first")
+
+
+def is_initialized():
+    return state.initialized
+
+
+def rank():
+    _require_init()
+    return state.rank
+
+
+def size():
+    _require_init()
+    return state.world_size
+
+
+def local_rank():
+    _require_init()
+    return state.local_rank
+
+
+def local_size():
+    _require_init()
+    return state.local_size
+
+
+def pp_rank():
+    _require_init()
+    return state.topology.pp_rank(state.rank)
+
+
+def pp_size():
+    _require_init()
+    return state.topology.pp_size
+
+
+def dp_rank():
+    _require_init()
+    return state.topology.dp_rank(state.rank)
+
+
+def dp_size():
+    _require_init()
+    return state.topology.dp_size
+
+
+def tp_rank():
+    _require_init()
+    return 0
+
+
+def tp_size():
+    _require_init()
+    return 1
+
+
+mp_rank, mp_size = pp_rank, pp_size
+rdp_rank, rdp_size = dp_rank, dp_size
+
+
+def get_pp_group():
+    _require_init()
+    return list(state.topology.pp_group(state.rank))
+
+
+def get_dp_group():
+    _require_init()
+    return list(state.topology.dp_group(state.rank))
+
+
+def get_tp_group():
+    _require_init()
+    return [state.rank]
+
+
+get_mp_group, get_rdp_group = get_pp_group, get_dp_group
+
+
+def get_world_process_group():
+    _require_init()
+    return state.groups["world"]
+
+
+def get_pp_process_group():
+    _require_init()
+    return state.groups["pp"]
+
+
+def get_dp_process_group():
+    _require_init()
+    return state.groups["dp"]
+
+
+def get_tp_process_group():
+    _require_init()
+    return state.groups["tp"]
+
+
+get_mp_process_group, get_rdp_process_group = get_pp_process_group, get_dp_process_group
+
+_GROUP_NAME = {
+    CommGroup.WORLD: "world", CommGroup.PP_GROUP: "pp", CommGroup.MP_GROUP: "pp",
+    CommGroup.DP_GROUP: "dp", CommGroup.RDP_GROUP: "dp", CommGroup.TP_GROUP: "tp",
+}
+_RANK_GROUP = {
+    RankType.WORLD_RANK: CommGroup.WORLD, RankType.PP_RANK: CommGroup.PP_GROUP,
+    RankType.MP_RANK: CommGroup.MP_GROUP, RankType.DP_RANK: CommGroup.DP_GROUP,
+    RankType.RDP_RANK: CommGroup.RDP_GROUP, RankType.TP_RANK: CommGroup.TP_GROUP,
+}
+
+
+def _group_name(group):
+    if group not in _GROUP_NAME:
+        raise ValueError(f"smp: group {group!r} is not one of "
+                         f"{{{', '.join(g.name for g in CommGroup)}}}")
+    return _GROUP_NAME[group]
+
+
+def _members(group):
+    return {"world": lambda: list(range(state.world_size)), "pp": get_pp_group,
+            "dp": get_dp_group, "tp": get_tp_group}[_group_name(group)]()
+
+
+def _to_global(r, rank_type):
+    if rank_type not in _RANK_GROUP:
+        raise ValueError(f"smp: rank_type {rank_type!r} is not one of "
+                         f"{{{', '.join(t.name for t in RankType)}}}")
+    members = _members(_RANK_GROUP[rank_type])
+    if not isinstance(r, int) or not 0 <= r < len(members):
+        raise ValueError(f"smp: {rank_type.name} {r!r} is outside its group of "
+                         f"{len(members)} ranks {members}")
+    return members[r]
+
+
+def barrier(group=CommGroup.WORLD):
+    """Blocks until every member of `group` arrives (bounded by timeout_s)."""
+    _require_init()
+    name = _group_name(group)
+    if name != "tp":
+        _C.barrier(name)
+
+
+def pp_barrier():
+    barrier(CommGroup.PP_GROUP)
+
+
+def dp_barrier():
+    barrier(CommGroup.DP_GROUP)
+
+
+def mp_barrier():
+    barrier(CommGroup.MP_GROUP)
+
+
+def send(obj, dest_rank, rank_type=RankType.WORLD_RANK):
+    """Sends a picklable object; buffered, so it returns before the receiver asks."""
+    _require_init()
+    _C.send_bytes(_to_global(dest_rank, rank_type), pickle.dumps(obj, protocol=4))
+
+
+def recv_from(src_rank, rank_type=RankType.WORLD_RANK):
+    """Receives the next object `src_rank` sent (by send or broadcast) to this rank."""
+    _require_init()
+    return pickle.loads(_C.recv_bytes(_to_global(src_rank, rank_type)))
+
+
+def broadcast(obj, group=CommGroup.WORLD):
+    """Sends `obj` to every other member of `group`; they receive with recv_from."""
+    _require_init()
+    data = pickle.dumps(obj, protocol=4)
+    for r in _members(group):
+        if r != state.rank:
+            _C.send_bytes(r, data)
+
+
+def allgather(obj, group=CommGroup.WORLD):
+    """Returns every member's `obj`, in group-rank order."""
+    _require_init()
+    name = _group_name(group)
+    if name == "tp":
+        return [obj]
+    return [pickle.loads(b) for b in _C.allgather_bytes(name, pickle.dumps(obj, protocol=4))]
+
+
+def gather(obj, group=CommGroup.WORLD, rank=0):
+    """Returns the members' objects in group-rank order on group rank `rank`, else None."""
+    values = allgather(obj, group)
+    me = _members(group).index(state.rank)
+    return values if me == rank else None
+
+
+def num_microbatches():
+    _require_init()
+    return state.cfg.microbatches
+
+
+def is_tracing():
+    return state.tracing

@@ -1,0 +1,144 @@
+#include "smp_core/comm.h"
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "smp_core/errors.h"
+
+namespace smp {
+namespace {
+
+std::chrono::milliseconds to_ms(double s) {
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
+}
+
+bool looks_like_timeout(const std::string& msg) {
+  return msg.find("imeout") != std::string::npos || msg.find("imed out") != std::string::npos;
+}
+
+at::Tensor bytes_tensor(const std::string& s, int64_t size) {
+  auto t = at::zeros({size}, at::kByte);
+  if (!s.empty()) std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+}  // namespace
+
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work, double timeout_s,
+               const std::string& what) {
+  try {
+    work->wait(to_ms(timeout_s));
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    if (looks_like_timeout(msg))
+      throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for ", what,
+                                 ": ", msg));
+    throw CommError(str_cat("smp: ", what, " failed: ", msg));
+  }
+}
+
+std::vector<std::string> allgather_bytes(const ProcessGroupPtr& pg, const std::string& data,
+                                         double timeout_s, const std::string& what) {
+  const int n = pg->getSize();
+  std::vector<at::Tensor> in_len = {at::full({1}, static_cast<int64_t>(data.size()), at::kLong)};
+  std::vector<std::vector<at::Tensor>> out_len(1);
+  for (int i = 0; i < n; ++i) out_len[0].push_back(at::empty({1}, at::kLong));
+  wait_work(pg->allgather(out_len, in_len), timeout_s, what + " (sizes)");
+  int64_t max_len = 1;
+  for (auto& t : out_len[0]) max_len = std::max(max_len, t.item<int64_t>());
+  std::vector<at::Tensor> in = {bytes_tensor(data, max_len)};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int i = 0; i < n; ++i) out[0].push_back(at::empty({max_len}, at::kByte));
+  wait_work(pg->allgather(out, in), timeout_s, what);
+  std::vector<std::string> result;
+  for (int i = 0; i < n; ++i) {
+    auto len = out_len[0][i].item<int64_t>();
+    result.emplace_back(static_cast<const char*>(out[0][i].data_ptr()), len);
+  }
+  return result;
+}
+
+std::string broadcast_bytes(const ProcessGroupPtr& pg, const std::string& data, int root,
+                            double timeout_s, const std::string& what) {
+  const bool me = pg->getRank() == root;
+  std::vector<at::Tensor> len = {at::full({1}, me ? static_cast<int64_t>(data.size()) : 0, at::kLong)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  wait_work(pg->broadcast(len, opts), timeout_s, what + " (size)");
+  int64_t n = len[0].item<int64_t>();
+  std::vector<at::Tensor> buf = {me ? bytes_tensor(data, std::max<int64_t>(n, 1))
+                                    : at::empty({std::max<int64_t>(n, 1)}, at::kByte)};
+  wait_work(pg->broadcast(buf, opts), timeout_s, what);
+  return std::string(static_cast<const char*>(buf[0].data_ptr()), n);
+}
+
+void barrier(const ProcessGroupPtr& pg, double timeout_s, const std::string& what) {
+  wait_work(pg->barrier(), timeout_s, what);
+}
+
+std::vector<std::string> store_exchange(const StorePtr& store, const std::string& key, int rank,
+                                        int world_size, const std::string& value,
+                                        double timeout_s, const std::string& what) {
+  store->set(str_cat(key, "/", rank), std::vector<uint8_t>(value.begin(), value.end()));
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(str_cat(key, "/", r));
+  try {
+    store->wait(keys, to_ms(timeout_s));
+  } catch (const std::exception& e) {
+    std::string missing;
+    for (int r = 0; r < world_size; ++r) {
+      bool present = false;
+      try {
+        present = store->check({keys[r]});
+      } catch (...) {
+      }
+      if (!present) missing += str_cat(missing.empty() ? "" : ",", r);
+    }
+    throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for ", what,
+                               " from rank(s) ", missing.empty() ? "?" : missing, " (", e.what(),
+                               ")"));
+  }
+  std::vector<std::string> out;
+  for (int r = 0; r < world_size; ++r) {
+    auto v = store->get(keys[r]);
+    out.emplace_back(v.begin(), v.end());
+  }
+  return out;
+}
+
+StoreMailbox::StoreMailbox(StorePtr store, int rank, double timeout_s, std::string prefix)
+    : store_(std::move(store)), rank_(rank), timeout_s_(timeout_s), prefix_(std::move(prefix)) {}
+
+StoreMailbox::~StoreMailbox() = default;
+
+void StoreMailbox::send(int dst, const std::string& bytes) {
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seq = send_seq_[dst]++;
+  }
+  store_->set(str_cat(prefix_, "/", rank_, "/", dst, "/", seq),
+              std::vector<uint8_t>(bytes.begin(), bytes.end()));
+}
+
+std::string StoreMailbox::recv(int src) {
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seq = recv_seq_[src]++;
+  }
+  std::string key = str_cat(prefix_, "/", src, "/", rank_, "/", seq);
+  try {
+    store_->wait({key}, to_ms(timeout_s_));
+  } catch (const std::exception& e) {
+    throw TimeoutError(str_cat("smp: timed out after ", timeout_s_,
+                               " s waiting for message #", seq, " from rank ", src,
+                               " on rank ", rank_, " (smp.recv_from)"));
+  }
+  auto v = store_->get(key);
+  store_->deleteKey(key);
+  return std::string(v.begin(), v.end());
+}
+
+}  // namespace smp

@@ -1,0 +1,76 @@
+// Byte-level collectives and buffered point-to-point messages used by the object
+// collectives (smp.barrier/broadcast/send/recv_from/allgather/gather) and by init.
+//
+// Collectives run on a c10d ProcessGroup; callers on every rank must issue them in
+// the same order (DESIGN.md invariant). Point-to-point messages go through the job's
+// c10d Store as numbered keys per (src, dst) pair, so a send never blocks (a ring in
+// which every rank sends before it receives works) and messages between two ranks
+// arrive in the order they were sent.
+// Every wait is bounded by `timeout_s`; a timeout throws TimeoutError naming what
+// was awaited and from which rank.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace smp {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+
+// Waits for `work`; on failure or timeout throws CommError/TimeoutError naming `what`.
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work, double timeout_s,
+               const std::string& what);
+
+// Every member contributes `data`; returns all contributions in group-rank order.
+std::vector<std::string> allgather_bytes(const ProcessGroupPtr& pg, const std::string& data,
+                                         double timeout_s, const std::string& what);
+
+// Returns `data` of group rank `root` on every member.
+std::string broadcast_bytes(const ProcessGroupPtr& pg, const std::string& data, int root,
+                            double timeout_s, const std::string& what);
+
+void barrier(const ProcessGroupPtr& pg, double timeout_s, const std::string& what);
+
+// Store-based all-to-all exchange used before any process group exists: rank posts
+// `value` under `key`/<rank> and reads every rank's. On timeout the error names the
+// ranks that never posted.
+std::vector<std::string> store_exchange(const StorePtr& store, const std::string& key, int rank,
+                                        int world_size, const std::string& value,
+                                        double timeout_s, const std::string& what);
+
+// Buffered, ordered point-to-point byte messages between global ranks over a Store.
+// Thread-safe. Each message key is deleted by its receiver.
+class StoreMailbox {
+ public:
+  StoreMailbox(StorePtr store, int rank, double timeout_s, std::string prefix = "smp/p2p");
+  ~StoreMailbox();
+
+  void send(int dst, const std::string& bytes);
+  // Blocks until the next message from `src` arrives (or timeout).
+  std::string recv(int src);
+
+  int rank() const { return rank_; }
+
+ private:
+  StorePtr store_;
+  int rank_;
+  double timeout_s_;
+  std::string prefix_;
+  std::mutex mu_;
+  std::map<int, uint64_t> send_seq_, recv_seq_;
+};
+
+}  // namespace smp

@@ -1,0 +1,38 @@
+// The one place where torch-version differences live (torch 1.13 from Debian,
+// torch 2.x on GPU machines). Everything else calls these helpers.
+// Keyed on TORCH_VERSION_MAJOR/MINOR; see docs/architecture.md "Torch versions".
+#pragma once
+
+#include <torch/version.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace smp::compat {
+
+#define SMP_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||      \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// c10d's asynchronous handle: `c10d::ProcessGroup::Work` before 1.13, `c10d::Work` since.
+using Work = ::c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+using ProcessGroupPtr = c10::intrusive_ptr<::c10d::ProcessGroup>;
+using StorePtr = c10::intrusive_ptr<::c10d::Store>;
+
+// Creates a Gloo process group over `store` bound to `hostname`'s interface (empty:
+// the default interface).
+// Torch 2.x wraps backends in a ProcessGroup; 1.13's ProcessGroupGloo *is* one.
+ProcessGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
+                                std::chrono::milliseconds timeout,
+                                const std::string& hostname);
+
+// Name of the backend of `pg` ("gloo", "nccl", ...).
+std::string backend_name(const ProcessGroupPtr& pg);
+
+}  // namespace smp::compat

@@ -1,0 +1,267 @@
+#include "smp_core/config.h"
+
+#include <algorithm>
+#include <functional>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+namespace smp {
+namespace {
+
+using nlohmann::json;
+
+std::string rank_suffix(int rank) { return rank >= 0 ? str_cat(" (rank ", rank, ")") : ""; }
+
+std::string show(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+// Levenshtein distance, for "did you mean".
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// Keys SMP v1 scripts pass that smp accepts only at their neutral value.
+struct NeutralKey {
+  const char* name;
+  json neutral;
+};
+const std::vector<NeutralKey>& neutral_keys() {
+  static const std::vector<NeutralKey> keys = {
+      {"tensor_parallel_degree", 1}, {"sharded_data_parallel_degree", 1},
+      {"shard_optimizer_state", false}, {"horovod", false},
+      {"fp16_params", false}, {"fp16", false}, {"bf16", false},
+      {"offload_activations", false}, {"prescaled_batch", false},
+      {"delayed_parameter_initialization", false}};
+  return keys;
+}
+
+// Keys accepted for compatibility whose value smp does not use (any valid type).
+const std::vector<std::pair<const char*, json::value_t>>& ignored_keys() {
+  static const std::vector<std::pair<const char*, json::value_t>> keys = {
+      {"deterministic_server", json::value_t::boolean},
+      {"activation_loading_horizon", json::value_t::number_unsigned},
+      {"ddp_port", json::value_t::number_unsigned}};
+  return keys;
+}
+
+class Parser {
+ public:
+  Parser(const json& obj, int rank) : obj_(obj), rank_(rank) {}
+
+  [[noreturn]] void fail(const std::string& key, const json& v, const std::string& allowed) {
+    throw ConfigError(str_cat("smp: config '", key, "'=", show(v), " is not ", allowed,
+                              rank_suffix(rank_)));
+  }
+
+  bool has(const std::string& key) const { return obj_.contains(key); }
+
+  int get_int(const std::string& key, int def, int lo, int hi = 1 << 30) {
+    if (!has(key)) return def;
+    const json& v = obj_.at(key);
+    bool integral = v.is_number_integer() ||
+                    (v.is_number_float() && v.get<double>() == static_cast<int64_t>(v.get<double>()));
+    if (!integral || v.is_boolean()) fail(key, v, str_cat("an integer in [", lo, ", ", hi, "]"));
+    int64_t x = v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
+    if (x < lo || x > hi) fail(key, v, str_cat("an integer in [", lo, ", ", hi, "]"));
+    return static_cast<int>(x);
+  }
+
+  double get_double(const std::string& key, double def, double lo, double hi,
+                    bool lo_open = false) {
+    if (!has(key)) return def;
+    const json& v = obj_.at(key);
+    std::string allowed = str_cat("a number in ", lo_open ? "(" : "[", lo, ", ", hi, "]");
+    if (!v.is_number() || v.is_boolean()) fail(key, v, allowed);
+    double x = v.get<double>();
+    if (x > hi || x < lo || (lo_open && x == lo)) fail(key, v, allowed);
+    return x;
+  }
+
+  bool get_bool(const std::string& key, bool def) {
+    if (!has(key)) return def;
+    const json& v = obj_.at(key);
+    if (!v.is_boolean()) fail(key, v, "one of {true, false}");
+    return v.get<bool>();
+  }
+
+  std::string get_choice(const std::string& key, const std::string& def,
+                         const std::vector<std::string>& choices) {
+    if (!has(key)) return def;
+    const json& v = obj_.at(key);
+    if (v.is_string() &&
+        std::find(choices.begin(), choices.end(), v.get<std::string>()) != choices.end())
+      return v.get<std::string>();
+    std::string allowed = "one of {";
+    for (size_t i = 0; i < choices.size(); ++i) allowed += (i ? ", " : "") + choices[i];
+    fail(key, v, allowed + "}");
+  }
+
+ private:
+  const json& obj_;
+  int rank_;
+};
+
+const std::vector<std::string>& placement_choices() {
+  static const std::vector<std::string> c = {"cluster", "spread", "DPT", "DTP", "PDT",
+                                             "PTD",     "TDP",    "TPD"};
+  return c;
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::vector<std::string> config_keys() {
+  std::vector<std::string> keys = {
+      "partitions",     "pipeline_parallel_degree", "microbatches", "pipeline",
+      "ddp",            "placement_strategy",       "optimize",     "auto_partition",
+      "default_partition", "memory_weight",         "active_microbatches", "contiguous",
+      "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing"};
+  for (const auto& k : neutral_keys()) keys.push_back(k.name);
+  for (const auto& k : ignored_keys()) keys.push_back(k.first);
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+Config Config::from_json(const std::string& text, int rank) {
+  json obj;
+  try {
+    obj = json::parse(text.empty() ? "{}" : text);
+  } catch (const json::parse_error& e) {
+    throw ConfigError(str_cat("smp: config is not valid JSON: ", e.what(), rank_suffix(rank)));
+  }
+  if (!obj.is_object())
+    throw ConfigError(str_cat("smp: config must be a JSON object, got ", obj.dump(),
+                              rank_suffix(rank)));
+
+  const std::vector<std::string> known = config_keys();
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    if (std::binary_search(known.begin(), known.end(), it.key())) continue;
+    std::string best;
+    size_t best_d = 4;
+    for (const auto& k : known) {
+      size_t d = edit_distance(it.key(), k);
+      if (d < best_d) best_d = d, best = k;
+    }
+    throw ConfigError(str_cat("smp: config key '", it.key(), "' is unknown",
+                              best.empty() ? "" : str_cat(" (did you mean '", best, "'?)"),
+                              rank_suffix(rank)));
+  }
+
+  Parser p(obj, rank);
+  Config c;
+  if (p.has("partitions") && p.has("pipeline_parallel_degree") &&
+      obj["partitions"] != obj["pipeline_parallel_degree"])
+    throw ConfigError(str_cat("smp: config 'partitions'=", show(obj["partitions"]),
+                              " and its alias 'pipeline_parallel_degree'=",
+                              show(obj["pipeline_parallel_degree"]), " disagree",
+                              rank_suffix(rank)));
+  c.partitions = p.has("partitions") ? p.get_int("partitions", 1, 1)
+                                     : p.get_int("pipeline_parallel_degree", 1, 1);
+  c.microbatches = p.get_int("microbatches", 1, 1);
+  c.pipeline = p.get_choice("pipeline", "interleaved", {"interleaved", "simple"});
+  c.ddp = p.get_bool("ddp", false);
+  c.placement_strategy = p.get_choice("placement_strategy", "cluster", placement_choices());
+  c.optimize = p.get_choice("optimize", "speed", {"speed", "memory"});
+  c.auto_partition = p.get_bool("auto_partition", true);
+  c.default_partition = p.get_int("default_partition", 0, 0, c.partitions - 1);
+  c.memory_weight = p.get_double("memory_weight", c.optimize == "speed" ? 0.2 : 0.8, 0.0, 1.0);
+  c.active_microbatches = p.get_int("active_microbatches", c.partitions + 2, 1);
+  c.contiguous = p.get_bool("contiguous", true);
+  if (!c.contiguous) p.fail("contiguous", false, "supported: partitions are always contiguous (true)");
+  const std::vector<std::string> backends = {"auto", "gloo", "nccl"};
+  c.backend = p.get_choice("backend", "auto", backends);
+  if (!p.has("backend")) c.backend = p.get_choice("ddp_dist_backend", "auto", backends);
+  c.timeout_s = p.get_double("timeout_s", 300.0, 0.0, 1e7, /*lo_open=*/true);
+  c.skip_tracing = p.get_bool("skip_tracing", false);
+  for (const auto& k : neutral_keys()) {
+    if (p.has(k.name) && obj[k.name] != k.neutral)
+      p.fail(k.name, obj[k.name], str_cat("supported by smp (only ", k.neutral.dump(), ")"));
+  }
+  for (const auto& [name, type] : ignored_keys()) {
+    if (!p.has(name)) continue;
+    const json& v = obj[name];
+    bool ok = type == json::value_t::boolean ? v.is_boolean()
+                                             : (v.is_number_integer() && v.get<int64_t>() >= 0);
+    if (!ok) p.fail(name, v, type == json::value_t::boolean ? "one of {true, false}" : "an integer >= 0");
+  }
+  return c;
+}
+
+std::string Config::to_json() const {
+  json j = {{"partitions", partitions},
+            {"microbatches", microbatches},
+            {"pipeline", pipeline},
+            {"ddp", ddp},
+            {"placement_strategy", placement_strategy},
+            {"optimize", optimize},
+            {"auto_partition", auto_partition},
+            {"default_partition", default_partition},
+            {"memory_weight", memory_weight},
+            {"active_microbatches", active_microbatches},
+            {"contiguous", contiguous},
+            {"backend", backend},
+            {"timeout_s", timeout_s},
+            {"skip_tracing", skip_tracing}};
+  return j.dump();  // nlohmann::json objects keep keys sorted
+}
+
+uint64_t Config::hash() const { return fnv1a(to_json()); }
+
+void Config::validate_world(int world_size, int rank) const {
+  if (world_size % partitions != 0)
+    throw ConfigError(str_cat("smp: config 'partitions'=", partitions,
+                              " does not divide the world size ", world_size,
+                              " (allowed: a divisor of ", world_size, ")", rank_suffix(rank)));
+}
+
+std::string describe_config_disagreement(const std::vector<std::string>& per_rank) {
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    if (per_rank[r].rfind("error:", 0) == 0)
+      return str_cat("smp: invalid config on rank ", r, ": ", per_rank[r].substr(6));
+  }
+  if (std::all_of(per_rank.begin(), per_rank.end(),
+                  [&](const std::string& s) { return s == per_rank[0]; }))
+    return "";
+  std::vector<json> parsed;
+  for (const auto& s : per_rank) parsed.push_back(json::parse(s));
+  for (auto it = parsed[0].begin(); it != parsed[0].end(); ++it) {
+    // Group ranks by value of this key, in rank order of first appearance.
+    std::vector<std::pair<std::string, std::vector<size_t>>> groups;
+    for (size_t r = 0; r < parsed.size(); ++r) {
+      std::string v = parsed[r][it.key()].dump();
+      auto g = std::find_if(groups.begin(), groups.end(), [&](auto& e) { return e.first == v; });
+      if (g == groups.end()) groups.push_back({v, {r}});
+      else g->second.push_back(r);
+    }
+    if (groups.size() == 1) continue;
+    std::string msg = str_cat("smp: config '", it.key(), "' differs across ranks:");
+    for (size_t i = 0; i < groups.size(); ++i) {
+      msg += str_cat(i ? ";" : "", " ", groups[i].first, " on rank",
+                     groups[i].second.size() > 1 ? "s " : " ");
+      for (size_t k = 0; k < groups[i].second.size(); ++k)
+        msg += str_cat(k ? "," : "", groups[i].second[k]);
+    }
+    return msg;
+  }
+  return "smp: config differs across ranks";
+}
+
+}  // namespace smp

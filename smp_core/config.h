@@ -1,0 +1,70 @@
+// smp configuration: the keys of `smp.init(config)` (API.md), parsed and validated
+// here so that Python and C++ programs get the same rules and the same messages.
+//
+// Thread-safety: a Config is a plain value; parse once, then share read-only.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "smp_core/errors.h"
+
+namespace smp {
+
+struct Config {
+  // Pipeline stages a model replica is split into (alias: pipeline_parallel_degree).
+  int partitions = 1;
+  // Microbatches a step's batch is split into.
+  int microbatches = 1;
+  // Pipeline schedule: "interleaved" or "simple".
+  std::string pipeline = "interleaved";
+  // Data parallelism over replicas through smp's reducer.
+  bool ddp = false;
+  // Rank layout: "cluster" (= "DPT") or "spread" (= "TPD"), or a permutation of D, P, T.
+  std::string placement_strategy = "cluster";
+  // "speed" or "memory": sets the default memory_weight (0.2 or 0.8, as SMP does).
+  std::string optimize = "speed";
+  // Auto-partition; when false, smp.partition() contexts and default_partition decide.
+  bool auto_partition = true;
+  // Partition of modules outside any smp.partition() context (auto_partition=false).
+  int default_partition = 0;
+  // Weight of memory balance vs compute balance in [0,1]; default from `optimize`.
+  double memory_weight = 0.2;
+  // Microbatches in flight at once; default partitions + 2.
+  int active_microbatches = 3;
+  // Partitions are contiguous in execution order (the only supported mode).
+  bool contiguous = true;
+  // Process-group backend: "auto" (nccl with CUDA, else gloo), "gloo", "nccl".
+  std::string backend = "auto";
+  // Seconds every blocking wait may take before it fails naming what it awaited.
+  double timeout_s = 300.0;
+  // Skip the tracing pass (SMP v1.6+); the partitioner then uses parameter sizes only.
+  bool skip_tracing = false;
+
+  // Parses a JSON object; validates every key (unknown keys get a did-you-mean) and
+  // resolves defaults that depend on other keys. `rank` >= 0 is named in messages.
+  // Throws ConfigError.
+  static Config from_json(const std::string& json, int rank = -1);
+
+  // Canonical JSON of the resolved config: sorted keys, every key present.
+  std::string to_json() const;
+
+  // FNV-1a hash of to_json(): equal on ranks that agree.
+  uint64_t hash() const;
+
+  // Checks against the job's world size (partitions divides it). Throws ConfigError.
+  void validate_world(int world_size, int rank = -1) const;
+};
+
+// The keys Config::from_json accepts (canonical names, sorted).
+std::vector<std::string> config_keys();
+
+// Given each rank's outcome of Config::from_json (either canonical JSON or an error
+// message prefixed "error:"), returns "" if all ranks agree, else one message that
+// names the first differing key and which ranks hold which value (or which rank's
+// config was invalid). Used by every rank on the same input, so all raise alike.
+std::string describe_config_disagreement(const std::vector<std::string>& per_rank);
+
+}  // namespace smp

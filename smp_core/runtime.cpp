@@ -1,0 +1,155 @@
+#include "smp_core/runtime.h"
+
+#include <cstdlib>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "smp_core/compat/torch_compat.h"
+#include "smp_core/errors.h"
+
+namespace smp {
+namespace {
+
+std::unique_ptr<Runtime> g_runtime;
+
+int env_int(const char* name, int def) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return def;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  if (*end != '\0')
+    throw ConfigError(str_cat("smp: environment ", name, "='", v, "' is not an integer"));
+  return static_cast<int>(x);
+}
+
+}  // namespace
+
+ProcessEnv ProcessEnv::from_environment() {
+  ProcessEnv e;
+  if (!std::getenv("RANK")) return e;  // bare process: world of 1
+  e.rank = env_int("RANK", 0);
+  e.world_size = env_int("WORLD_SIZE", 1);
+  e.local_rank = env_int("LOCAL_RANK", e.rank);
+  e.local_size = env_int("LOCAL_WORLD_SIZE", e.world_size);
+  if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
+  e.master_port = env_int("MASTER_PORT", 0);
+  if (e.world_size < 1 || e.rank < 0 || e.rank >= e.world_size)
+    throw ConfigError(str_cat("smp: environment RANK=", e.rank, " is not in [0, WORLD_SIZE=",
+                              e.world_size, ")"));
+  if (e.world_size > 1 && e.master_port <= 0)
+    throw ConfigError(str_cat("smp: environment MASTER_PORT is not set (WORLD_SIZE=",
+                              e.world_size, "); launch with smprun or torchrun"));
+  return e;
+}
+
+std::string config_from_environment() {
+  if (const char* c = std::getenv("SMP_CONFIG"); c && *c) return c;
+  if (const char* c = std::getenv("SM_HP_MP_PARAMETERS"); c && *c) return c;
+  return "{}";
+}
+
+Config agree_config(const StorePtr& store, const ProcessEnv& env, const std::string& raw_json) {
+  std::string mine;
+  double timeout_s = Config().timeout_s;
+  std::unique_ptr<Config> parsed;
+  try {
+    parsed = std::make_unique<Config>(Config::from_json(raw_json));
+    timeout_s = parsed->timeout_s;
+    mine = parsed->to_json();
+  } catch (const ConfigError& e) {
+    mine = std::string("error:") + e.what();
+  }
+  auto all = env.world_size == 1
+                 ? std::vector<std::string>{mine}
+                 : store_exchange(store, "smp/init/config", env.rank, env.world_size, mine,
+                                  timeout_s, "the config of every rank (smp.init)");
+  std::string problem = describe_config_disagreement(all);
+  if (!problem.empty()) throw ConfigError(problem + str_cat(" (seen on rank ", env.rank, ")"));
+  parsed->validate_world(env.world_size);
+  return *parsed;
+}
+
+Runtime::Runtime(Config config, ProcessEnv env, StorePtr store, Groups groups)
+    : config_(std::move(config)),
+      env_(std::move(env)),
+      topology_(env_.world_size, config_.partitions, config_.placement_strategy),
+      store_(std::move(store)),
+      groups_(std::move(groups)),
+      mailbox_(std::make_unique<StoreMailbox>(store_, env_.rank, config_.timeout_s)) {}
+
+Runtime::~Runtime() = default;
+
+Runtime& install(Config config, ProcessEnv env, StorePtr store, Groups groups) {
+  if (g_runtime) throw std::runtime_error("smp: already initialized");
+  g_runtime = std::make_unique<Runtime>(std::move(config), std::move(env), std::move(store),
+                                        std::move(groups));
+  return *g_runtime;
+}
+
+Runtime& init(const Config& config) { return init(config.to_json()); }
+
+Runtime& init(const std::string& config_json) {
+  if (g_runtime) return *g_runtime;
+  ProcessEnv env = ProcessEnv::from_environment();
+  std::string raw = config_json.empty() ? config_from_environment() : config_json;
+  // The store's own timeout bounds rendezvous; use the config's if it parses.
+  double timeout_s = Config().timeout_s;
+  try {
+    timeout_s = Config::from_json(raw).timeout_s;
+  } catch (const ConfigError&) {
+  }
+  auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  StorePtr store;
+  if (env.world_size == 1) {
+    store = c10::make_intrusive<c10d::HashStore>();
+  } else {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<uint16_t>(env.master_port);
+    opts.isServer = env.rank == 0;
+    opts.numWorkers = env.world_size;
+    opts.timeout = timeout;
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  }
+  Config config = agree_config(store, env, raw);
+  Topology topo(env.world_size, config.partitions, config.placement_strategy);
+  // Single machine jobs bind loopback; multi-node jobs use the default interface.
+  const bool loopback = env.world_size == 1 || env.master_addr == "localhost" ||
+                        env.master_addr.rfind("127.", 0) == 0;
+  const std::string host = loopback ? "127.0.0.1" : "";
+  auto make = [&](const std::string& name, const std::vector<int>& members) -> ProcessGroupPtr {
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("smp/pg/" + name, store);
+    int my = -1;
+    for (size_t i = 0; i < members.size(); ++i)
+      if (members[i] == env.rank) my = static_cast<int>(i);
+    if (my < 0) return {};
+    return compat::make_gloo_group(prefixed, my, static_cast<int>(members.size()), timeout, host);
+  };
+  Groups groups;
+  std::vector<int> all(env.world_size);
+  for (int r = 0; r < env.world_size; ++r) all[r] = r;
+  groups.world = make("world", all);
+  // Only members rendezvous on a group's prefix, so non-members skip it safely.
+  for (const auto& g : topo.all_pp_groups()) {
+    auto pg = make(str_cat("pp", g[0]), g);
+    if (pg) groups.pp = pg;
+  }
+  for (const auto& g : topo.all_dp_groups()) {
+    auto pg = make(str_cat("dp", g[0]), g);
+    if (pg) groups.dp = pg;
+  }
+  return install(std::move(config), std::move(env), std::move(store), std::move(groups));
+}
+
+bool is_initialized() { return g_runtime != nullptr; }
+
+Runtime& runtime() {
+  if (!g_runtime) throw std::runtime_error("smp: not initialized; call smp.init() first");
+  return *g_runtime;
+}
+
+void shutdown() { g_runtime.reset(); }
+
+}  // namespace smp

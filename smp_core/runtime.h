@@ -1,0 +1,85 @@
+// Process-wide smp state after init: config, topology, store and process groups.
+//
+// Two ways in: smp::init() for C++ programs (reads the launcher's env, creates a
+// TCPStore and Gloo groups itself), and the Python package, which creates the groups
+// through torch.distributed (so they are registered there) and hands them over with
+// install(). Both go through agree_config() first, so every rank fails alike on a bad
+// or differing config and none hangs.
+//
+// Thread-safety: init/install/shutdown from one thread; getters are safe afterwards.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "smp_core/comm.h"
+#include "smp_core/config.h"
+#include "smp_core/topology.h"
+
+namespace smp {
+
+// Where this process sits, from RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/
+// MASTER_ADDR/MASTER_PORT; a bare process (no RANK) is a world of 1.
+struct ProcessEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: no rendezvous needed (world of 1)
+  static ProcessEnv from_environment();
+};
+
+// Exchanges each rank's raw config JSON over `store`, parses it, and returns the
+// resolved Config if every rank's config is valid and identical; else throws the same
+// ConfigError on every rank (naming the key and which ranks hold which value).
+Config agree_config(const StorePtr& store, const ProcessEnv& env, const std::string& raw_json);
+
+// Resolves the config text of a bare smp::init(): SMP_CONFIG, else
+// SM_HP_MP_PARAMETERS, else "{}".
+std::string config_from_environment();
+
+struct Groups {
+  ProcessGroupPtr world, pp, dp;  // pp is also the mp group (tp = 1)
+};
+
+class Runtime {
+ public:
+  Runtime(Config config, ProcessEnv env, StorePtr store, Groups groups);
+  ~Runtime();
+
+  const Config& config() const { return config_; }
+  const Topology& topology() const { return topology_; }
+  const ProcessEnv& env() const { return env_; }
+  int rank() const { return env_.rank; }
+  int pp_rank() const { return topology_.pp_rank(env_.rank); }
+  int dp_rank() const { return topology_.dp_rank(env_.rank); }
+  const Groups& groups() const { return groups_; }
+  const StorePtr& store() const { return store_; }
+  StoreMailbox& mailbox() { return *mailbox_; }
+
+ private:
+  Config config_;
+  ProcessEnv env_;
+  Topology topology_;
+  StorePtr store_;
+  Groups groups_;
+  std::unique_ptr<StoreMailbox> mailbox_;
+};
+
+// Installs the process-wide runtime (Python path). Throws if already initialized.
+Runtime& install(Config config, ProcessEnv env, StorePtr store, Groups groups);
+
+// C++ path: init from the environment and `config_json` (empty: from the environment).
+Runtime& init(const std::string& config_json = "");
+// C++ path with a Config value.
+Runtime& init(const Config& config);
+
+bool is_initialized();
+// The runtime; throws std::runtime_error "smp: not initialized" before init.
+Runtime& runtime();
+// Drops the runtime and its groups (tests; re-init afterwards is allowed).
+void shutdown();
+
+}  // namespace smp

@@ -6,12 +6,18 @@
 
 #include "smp_core/errors.h"
 
+#include <algorithm>
+#include <thread>
+
 namespace smp {
 namespace {
 
 std::chrono::milliseconds to_ms(double s) {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
 }
+
+// torch errors carry a C++ backtrace after the first line; users need the first.
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 bool looks_like_timeout(const std::string& msg) {
   return msg.find("imeout") != std::string::npos || msg.find("imed out") != std::string::npos;
@@ -33,8 +39,8 @@ void wait_work(const c10::intrusive_ptr<c10d::Work>& work, double timeout_s,
     std::string msg = e.what();
     if (looks_like_timeout(msg))
       throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for ", what,
-                                 ": ", msg));
-    throw CommError(str_cat("smp: ", what, " failed: ", msg));
+                                 ": ", first_line(msg)));
+    throw CommError(str_cat("smp: ", what, " failed: ", first_line(msg)));
   }
 }
 
@@ -83,21 +89,37 @@ std::vector<std::string> store_exchange(const StorePtr& store, const std::string
   store->set(str_cat(key, "/", rank), std::vector<uint8_t>(value.begin(), value.end()));
   std::vector<std::string> keys;
   for (int r = 0; r < world_size; ++r) keys.push_back(str_cat(key, "/", r));
-  try {
-    store->wait(keys, to_ms(timeout_s));
-  } catch (const std::exception& e) {
-    std::string missing;
+  // Poll rather than wait on all keys at once, so a timeout can name who is missing
+  // without asking the store again (its host may be gone by then).
+  std::vector<bool> seen(world_size, false);
+  int n_seen = 0;
+  auto deadline = std::chrono::steady_clock::now() + to_ms(timeout_s);
+  auto pause = std::chrono::milliseconds(1);
+  while (true) {
     for (int r = 0; r < world_size; ++r) {
-      bool present = false;
+      if (seen[r]) continue;
       try {
-        present = store->check({keys[r]});
-      } catch (...) {
+        seen[r] = store->check({keys[r]});
+      } catch (const std::exception& e) {
+        throw CommError(str_cat("smp: lost the connection to the job's store (hosted by rank 0) "
+                                "while waiting for ", what, " on rank ", rank, ": ",
+                                first_line(e.what())));
       }
-      if (!present) missing += str_cat(missing.empty() ? "" : ",", r);
+      n_seen += seen[r];
     }
-    throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for ", what,
-                               " from rank(s) ", missing.empty() ? "?" : missing, " (", e.what(),
-                               ")"));
+    if (n_seen == world_size) break;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::string missing;
+      for (int r = 0; r < world_size; ++r)
+        if (!seen[r]) missing += str_cat(missing.empty() ? "" : ",", r);
+      // Rank 0 hosts the store: linger so the other ranks can read their own
+      // timeout instead of a reset connection.
+      if (rank == 0) std::this_thread::sleep_for(to_ms(std::min(2.0, timeout_s)));
+      throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for ", what,
+                                 " from rank(s) ", missing, " (on rank ", rank, ")"));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
   std::vector<std::string> out;
   for (int r = 0; r < world_size; ++r) {
@@ -134,7 +156,7 @@ std::string StoreMailbox::recv(int src) {
   } catch (const std::exception& e) {
     throw TimeoutError(str_cat("smp: timed out after ", timeout_s_,
                                " s waiting for message #", seq, " from rank ", src,
-                               " on rank ", rank_, " (smp.recv_from)"));
+                               " on rank ", rank_, " (smp.recv_from): ", first_line(e.what())));
   }
   auto v = store_->get(key);
   store_->deleteKey(key);

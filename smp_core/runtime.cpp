@@ -1,6 +1,7 @@
 #include "smp_core/runtime.h"
 
 #include <cstdlib>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -66,6 +67,20 @@ Config agree_config(const StorePtr& store, const ProcessEnv& env, const std::str
                  ? std::vector<std::string>{mine}
                  : store_exchange(store, "smp/init/config", env.rank, env.world_size, mine,
                                   timeout_s, "the config of every rank (smp.init)");
+  // Rank 0 hosts the store: it must not go on (and perhaps exit on an error) before
+  // every rank has read the configs, or they would fail with "connection reset".
+  if (env.world_size > 1) {
+    const std::string key = "smp/init/config_read";
+    if (env.rank != 0) {
+      store->add(key, 1);
+    } else {
+      auto deadline = std::chrono::steady_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+      while (store->add(key, 0) < env.world_size - 1 &&
+             std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
   std::string problem = describe_config_disagreement(all);
   if (!problem.empty()) throw ConfigError(problem + str_cat(" (seen on rank ", env.rank, ")"));
   parsed->validate_world(env.world_size);
@@ -111,6 +126,7 @@ Runtime& init(const std::string& config_json) {
     opts.isServer = env.rank == 0;
     opts.numWorkers = env.world_size;
     opts.timeout = timeout;
+    opts.waitWorkers = false;  // agree_config names any rank that never arrives
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
   }
   Config config = agree_config(store, env, raw);

@@ -142,7 +142,8 @@ def init(config=None):
         if port <= 0:
             raise ConfigError(f"smp: environment MASTER_PORT is not set (WORLD_SIZE={world}); "
                               "launch with smprun or torchrun")
-        store = dist.TCPStore(addr, port, world, rank == 0, timeout)
+        # No waiting for workers here: the config exchange names any rank that is missing.
+        store = dist.TCPStore(addr, port, world, rank == 0, timeout, wait_for_workers=False)
 
     cfg_json = _C.agree_config(store, rank, world, raw)
     cfg = json.loads(cfg_json)

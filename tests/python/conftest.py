@@ -1,0 +1,90 @@
+"""Shared helpers: run a script as N real ranks (processes) on loopback."""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build"))
+PYTHON = os.environ.get("SMP_PYTHON", "/usr/bin/python3")
+sys.path.insert(0, os.path.join(BUILD, "python"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankResult:
+    def __init__(self, rank, returncode, stdout, stderr):
+        self.rank, self.returncode, self.stdout, self.stderr = rank, returncode, stdout, stderr
+
+    def __repr__(self):
+        return (f"<rank {self.rank} rc={self.returncode}\n--- stdout\n{self.stdout[-3000:]}"
+                f"\n--- stderr\n{self.stderr[-3000:]}>")
+
+
+def rank_env(rank, world, port, extra=None):
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "PYTHONPATH": os.path.join(BUILD, "python") + os.pathsep + os.path.join(REPO, "tests", "python"),
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+    })
+    env.pop("SMP_CONFIG", None)
+    env.pop("SM_HP_MP_PARAMETERS", None)
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_ranks(script, world, tmp_path, env=None, per_rank_env=None, timeout=120, args=()):
+    """Runs `script` (source text) as `world` processes; returns a RankResult per rank.
+
+    Every process is killed at `timeout` (then returncode is None), so a hang fails the
+    test instead of stalling the suite.
+    """
+    path = tmp_path / f"script_{time.monotonic_ns()}.py"
+    path.write_text(textwrap.dedent(script))
+    port = free_port()
+    procs = []
+    for r in range(world):
+        e = rank_env(r, world, port, env)
+        if per_rank_env:
+            e.update({k: str(v) for k, v in per_rank_env(r).items()})
+        procs.append(subprocess.Popen([PYTHON, str(path), *args], env=e, cwd=str(tmp_path),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for r, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append(RankResult(r, p.returncode, out, err))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            results.append(RankResult(r, None, out, err + "\n[killed at timeout]"))
+    return results
+
+
+def assert_all_ok(results):
+    bad = [r for r in results if r.returncode != 0]
+    assert not bad, "\n".join(map(repr, bad))
+
+
+@pytest.fixture
+def ranks(tmp_path):
+    """`ranks(script, world, **kw)` runs a multi-rank script and asserts every rank passed."""
+    def run(script, world, check=True, **kw):
+        res = run_ranks(script, world, tmp_path, **kw)
+        if check:
+            assert_all_ok(res)
+        return res
+    return run

@@ -1,0 +1,92 @@
+#include "launcher/rank_process.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+
+namespace smp::launcher {
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+EnvMap rank_environment(const EnvMap& base, const LaunchOptions& o, int local_rank, int attempt,
+                        int master_port, int cores) {
+  EnvMap env = base;
+  env["RANK"] = std::to_string(global_rank(o, local_rank));
+  env["WORLD_SIZE"] = std::to_string(o.nnodes * o.nproc_per_node);
+  env["LOCAL_RANK"] = std::to_string(local_rank);
+  env["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
+  env["NODE_RANK"] = std::to_string(o.node_rank);
+  env["MASTER_ADDR"] = o.master_addr;
+  env["MASTER_PORT"] = std::to_string(master_port);
+  env["SMP_RESTART_COUNT"] = std::to_string(attempt);
+  if (!o.config_json.empty()) env["SMP_CONFIG"] = o.config_json;
+  std::string threads = std::to_string(std::max(1, cores / std::max(1, o.nproc_per_node)));
+  for (const char* key : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"}) {
+    if (base.find(key) == base.end()) env[key] = threads;
+  }
+  if (base.find("PYTHONUNBUFFERED") == base.end()) env["PYTHONUNBUFFERED"] = "1";
+  return env;
+}
+
+pid_t spawn_rank(const std::vector<std::string>& argv, const EnvMap& env, int out_fd, int err_fd,
+                 std::string* error) {
+  // Build everything before fork: the child only calls async-signal-safe functions.
+  std::vector<std::string> env_strings;
+  env_strings.reserve(env.size());
+  for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = argv;
+  std::vector<char*> argp;
+  for (auto& s : args) argp.push_back(s.data());
+  argp.push_back(nullptr);
+  std::string exec_error = "smprun: cannot execute '" + argv[0] + "': ";
+  pid_t parent = getpid();
+
+  pid_t pid = fork();
+  if (pid < 0) {
+    *error = std::string("fork failed: ") + std::strerror(errno);
+    return -1;
+  }
+  if (pid > 0) {
+    setpgid(pid, pid);  // also done in the child: whichever runs first wins the race
+    return pid;
+  }
+  // Child.
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(1);  // the launcher died before prctl took effect
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) signal(sig, SIG_DFL);
+  int devnull = open("/dev/null", O_RDONLY);
+  if (devnull >= 0) dup2(devnull, 0);
+  dup2(out_fd, 1);
+  dup2(err_fd, 2);
+  // Launcher fds are close-on-exec; the pipe ends dup'ed to 1 and 2 are not.
+  // execvpe searches PATH in the launcher's environment.
+  execvpe(argp[0], argp.data(), envp.data());
+  int err = errno;
+  ssize_t ignored = write(2, exec_error.data(), exec_error.size());
+  const char* text = strerror(err);
+  ignored = write(2, text, strlen(text));
+  ignored = write(2, "\n", 1);
+  (void)ignored;
+  _exit(127);
+}
+
+}  // namespace smp::launcher

@@ -1,0 +1,41 @@
+// Starting one rank: its environment (pure, unit-tested) and the fork/exec that puts it in
+// a process group of its own, so stopping a rank can signal its grandchildren too.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "launcher/options.h"
+#include "launcher/scheduler_env.h"
+
+namespace smp::launcher {
+
+// CPUs this launcher may run on (sched_getaffinity), at least 1.
+int usable_cores();
+
+// The environment of local rank `local_rank` in restart `attempt`: `base` (the launcher's
+// environment) plus RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK,
+// MASTER_ADDR, MASTER_PORT (`master_port`, the resolved port), SMP_RESTART_COUNT,
+// SMP_CONFIG (only when options.config_json is set), and, unless `base` sets them,
+// OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = max(1, cores / nproc_per_node) and
+// PYTHONUNBUFFERED=1 (so output reaches the launcher line by line).
+EnvMap rank_environment(const EnvMap& base, const LaunchOptions& options, int local_rank,
+                        int attempt, int master_port, int cores);
+
+// Global rank of a local rank.
+inline int global_rank(const LaunchOptions& o, int local_rank) {
+  return o.node_rank * o.nproc_per_node + local_rank;
+}
+
+// Forks and execs argv[0] (PATH lookup if it has no '/') with `env`; stdin is /dev/null,
+// stdout/stderr are out_fd/err_fd (the write ends of the launcher's pipes). The child
+// starts its own process group (pgid == pid), gets PR_SET_PDEATHSIG=SIGKILL (it dies if
+// the launcher dies), default signal dispositions and an empty signal mask. If exec fails
+// the child prints "smprun: cannot execute ..." on err_fd and exits 127. Returns the pid,
+// or -1 and *error if fork failed.
+pid_t spawn_rank(const std::vector<std::string>& argv, const EnvMap& env, int out_fd, int err_fd,
+                 std::string* error);
+
+}  // namespace smp::launcher

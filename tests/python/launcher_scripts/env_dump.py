@@ -1,0 +1,9 @@
+"""Prints the launcher-provided environment of this rank as one JSON line, then its argv."""
+import json
+import os
+import sys
+
+KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "SMP_CONFIG", "SMP_RESTART_COUNT", "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS"]
+print("ENV " + json.dumps({k: os.environ.get(k) for k in KEYS} | {"argv": sys.argv[1:]}))

@@ -5,6 +5,7 @@
 PYBIND11_MODULE(_C, m) {
   m.doc() = "smp C++ core";
   smp::python::bind_core(m);
+  smp::python::bind_pipeline(m);
 #ifdef SMP_HAVE_SMP_PARTITION
   smp::python::bind_partition(m);
 #endif

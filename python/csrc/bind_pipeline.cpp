@@ -1,0 +1,65 @@
+// Bindings of the pipeline transport (smp_core/p2p): Python builds messages from
+// module calls; C++ moves and matches them.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "smp_core/p2p.h"
+
+namespace py = pybind11;
+
+namespace smp::python {
+
+void bind_pipeline(py::module_& m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::enum_<MsgKind>(m, "MsgKind")
+      .value("REQUEST", kRequest)
+      .value("RESPONSE", kResponse)
+      .value("BACKWARD_REQUEST", kBackwardRequest)
+      .value("BACKWARD_RESPONSE", kBackwardResponse)
+      .value("ERROR", kError)
+      .value("MICROBATCH_DONE", kMicrobatchDone)
+      .value("STEP_END", kStepEnd)
+      .value("ABORT", kAbort)
+      .export_values();
+  m.attr("ANY") = kAny;
+  py::class_<Message>(m, "Message")
+      .def(py::init([](int64_t mb, int64_t call_id, int32_t kind, const py::bytes& meta,
+                       std::vector<at::Tensor> tensors) {
+             Message msg;
+             msg.mb = mb;
+             msg.call_id = call_id;
+             msg.kind = kind;
+             msg.meta = meta;
+             msg.tensors = std::move(tensors);
+             return msg;
+           }),
+           py::arg("mb"), py::arg("call_id"), py::arg("kind"), py::arg("meta") = py::bytes(),
+           py::arg("tensors") = std::vector<at::Tensor>{})
+      .def_readonly("src", &Message::src)
+      .def_readonly("mb", &Message::mb)
+      .def_readonly("call_id", &Message::call_id)
+      .def_readonly("kind", &Message::kind)
+      .def_property_readonly("meta", [](const Message& msg) { return py::bytes(msg.meta); })
+      .def_readonly("tensors", &Message::tensors);
+  py::class_<P2PEngine::Stats>(m, "P2PStats")
+      .def_readonly("messages_sent", &P2PEngine::Stats::messages_sent)
+      .def_readonly("messages_received", &P2PEngine::Stats::messages_received)
+      .def_readonly("bytes_sent", &P2PEngine::Stats::bytes_sent)
+      .def_readonly("bytes_received", &P2PEngine::Stats::bytes_received)
+      .def_readonly("wait_s", &P2PEngine::Stats::wait_s);
+  py::class_<P2PEngine, std::shared_ptr<P2PEngine>>(m, "P2PEngine")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double>(), py::arg("process_group"),
+           py::arg("timeout_s"), release())
+      .def_property_readonly("rank", &P2PEngine::rank)
+      .def_property_readonly("size", &P2PEngine::size)
+      .def("send", &P2PEngine::send, release())
+      .def("recv", &P2PEngine::recv, py::arg("mb"), py::arg("call_id"), py::arg("kind_mask"),
+           py::arg("what"), py::arg("yield_token") = false, py::arg("priority") = 0, release())
+      .def("acquire_token", &P2PEngine::acquire_token, release())
+      .def("release_token", &P2PEngine::release_token, release())
+      .def("clear_mailbox", &P2PEngine::clear_mailbox)
+      .def("stats", &P2PEngine::stats);
+}
+
+}  // namespace smp::python

@@ -1,0 +1,103 @@
+// Point-to-point message engine of the pipeline: the transport of remote module calls
+// between the ranks of one pp group.
+//
+// A message is (microbatch, call id, kind, opaque meta bytes, tensors). On the wire it
+// is a fixed preamble, a header blob (ids, meta, tensor metadata) and the tensors, each
+// one Gloo send on the p2p process group. Sends to one peer are serialized (a message
+// is never interleaved with another), so the peer's single receiver thread reads them
+// in order. Received messages land in a mailbox and are matched by
+// (microbatch, call id, kind) — never by arrival order (DESIGN.md invariant).
+//
+// The engine also owns the rank's compute token: the pipeline runs several microbatch
+// tasks as threads, and only the task holding the token computes. A task gives the
+// token up while it waits for a message; waiting tasks get it back in priority order
+// (see Note [Compute token]).
+//
+// Thread-safety: every method is thread-safe. Blocking methods must be called without
+// the Python GIL (the bindings release it).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace smp {
+
+// Kinds of message. Kept stable: they are on the wire.
+enum MsgKind : int32_t {
+  kRequest = 1,           // forward call of a module owned by the receiver
+  kResponse = 2,          // its outputs
+  kBackwardRequest = 3,   // output gradients of an earlier call
+  kBackwardResponse = 4,  // input gradients
+  kError = 5,             // the call raised: meta holds the pickled error
+  kMicrobatchDone = 6,    // the driver finished a microbatch: its tasks may end
+  kStepEnd = 7,           // the driver finished the step: meta holds the outputs
+  kAbort = 8,             // the step failed somewhere: meta holds the pickled error
+};
+
+// Matches any call id / any microbatch in recv().
+constexpr int64_t kAny = -1;
+
+struct Message {
+  int src = -1;          // pp rank of the sender
+  int64_t mb = 0;        // microbatch (-1 for step-level messages)
+  int64_t call_id = 0;   // unique per (sender, microbatch) call
+  int32_t kind = 0;      // MsgKind
+  std::string meta;      // opaque bytes (pickled structure, module name, error, ...)
+  std::vector<at::Tensor> tensors;
+};
+
+class P2PEngine {
+ public:
+  // `pg` is a process group over the pp ranks used only by this engine; `timeout_s`
+  // bounds every wait. Starts one receiver thread per peer.
+  P2PEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, double timeout_s);
+  ~P2PEngine();  // aborts pending receives and joins the receiver threads
+
+  int rank() const;
+  int size() const;
+
+  // Sends `msg` to pp rank `dst` (blocking until the bytes are handed to Gloo and
+  // sent). Sending to oneself delivers into the own mailbox.
+  void send(int dst, const Message& msg);
+
+  // Blocks until a message with microbatch `mb` (kAny: any), call id `call_id`
+  // (kAny: any) and a kind in `kind_mask` (bit 1 << kind) is in the mailbox, removes
+  // and returns it. Step-level kinds (kStepEnd, kAbort) match any `mb`. With
+  // `yield_token`, the caller's compute token is released while waiting and
+  // re-acquired with `priority` before returning. Throws TimeoutError naming `what`,
+  // or CommError if a peer's connection broke.
+  Message recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const std::string& what,
+               bool yield_token = false, int64_t priority = 0);
+
+  // Note [Compute token]: one task at a time computes on a rank. acquire() blocks until
+  // the token is free and no waiting task has a smaller priority value (ties: first
+  // come). Priorities encode the schedule (interleaved: backward work before new
+  // forwards, earlier microbatches first).
+  void acquire_token(int64_t priority);
+  void release_token();
+
+  // Drops undelivered messages of finished steps (between steps).
+  void clear_mailbox();
+
+  // Per-message timing counters (for the timeline and profiling).
+  struct Stats {
+    int64_t messages_sent = 0, messages_received = 0, bytes_sent = 0, bytes_received = 0;
+    double wait_s = 0;
+  };
+  Stats stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace smp

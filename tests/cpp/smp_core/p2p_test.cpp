@@ -1,0 +1,155 @@
+#include "smp_core/p2p.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "../common/gloo_world.h"
+#include "smp_core/errors.h"
+
+namespace smp {
+namespace {
+
+using testing::run_gloo_world;
+
+Message make(int64_t mb, int64_t call, int32_t kind, std::string meta,
+             std::vector<at::Tensor> tensors = {}) {
+  Message m;
+  m.mb = mb, m.call_id = call, m.kind = kind, m.meta = std::move(meta);
+  m.tensors = std::move(tensors);
+  return m;
+}
+
+constexpr uint32_t bit(int kind) { return 1u << kind; }
+
+TEST(P2P, MatchesByKeyNotArrivalOrder) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
+    P2PEngine eng(pg, 10);
+    if (r == 0) {
+      for (int mb = 0; mb < 4; ++mb)
+        eng.send(1, make(mb, 100 + mb, kRequest, "m" + std::to_string(mb),
+                         {at::full({3, mb + 1}, mb, at::kFloat), at::arange(mb + 1)}));
+      eng.send(1, make(-1, 0, kStepEnd, "end"));
+    } else {
+      // Receive in reverse order: matching is by (microbatch, call id, kind).
+      for (int mb = 3; mb >= 0; --mb) {
+        Message m = eng.recv(mb, 100 + mb, bit(kRequest), "request");
+        EXPECT_EQ(m.src, 0);
+        EXPECT_EQ(m.meta, "m" + std::to_string(mb));
+        ASSERT_EQ(m.tensors.size(), 2u);
+        EXPECT_TRUE(m.tensors[0].equal(at::full({3, mb + 1}, mb, at::kFloat)));
+        EXPECT_TRUE(m.tensors[1].equal(at::arange(mb + 1)));
+      }
+      // Step-level kinds match whatever microbatch the waiter names.
+      EXPECT_EQ(eng.recv(7, kAny, bit(kStepEnd) | bit(kRequest), "end").meta, "end");
+    }
+  });
+}
+
+TEST(P2P, LargeAndEmptyTensorsAndManyDtypes) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
+    P2PEngine eng(pg, 10);
+    auto big = at::arange(2 * 1024 * 1024, at::kFloat);  // 8 MiB: above the staging size
+    std::vector<at::Tensor> ts = {big, at::empty({0, 5}), at::ones({3}, at::kHalf),
+                                  at::arange(2).gt(0), at::arange(7, at::kLong).view({7, 1})};
+    if (r == 0) {
+      eng.send(1, make(0, 1, kRequest, std::string(5000, 'x'), ts));
+      eng.send(1, make(0, 2, kRequest, "small", {at::ones({2})}));
+    } else {
+      Message a = eng.recv(0, 1, bit(kRequest), "big");
+      ASSERT_EQ(a.tensors.size(), ts.size());
+      for (size_t i = 0; i < ts.size(); ++i) {
+        EXPECT_EQ(a.tensors[i].scalar_type(), ts[i].scalar_type());
+        EXPECT_EQ(a.tensors[i].sizes(), ts[i].sizes());
+        EXPECT_TRUE(a.tensors[i].equal(ts[i])) << i;
+      }
+      EXPECT_EQ(a.meta, std::string(5000, 'x'));
+      EXPECT_TRUE(eng.recv(0, 2, bit(kRequest), "small").tensors[0].equal(at::ones({2})));
+    }
+  });
+}
+
+TEST(P2P, ConcurrentSendersNeverInterleave) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
+    P2PEngine eng(pg, 10);
+    const int kThreads = 4, kEach = 25;
+    if (r == 0) {
+      std::vector<std::thread> ts;
+      for (int t = 0; t < kThreads; ++t)
+        ts.emplace_back([&, t] {
+          for (int i = 0; i < kEach; ++i)
+            eng.send(1, make(t, i, kRequest, "", {at::full({100 + i}, t * 1000 + i, at::kInt)}));
+        });
+      for (auto& t : ts) t.join();
+    } else {
+      for (int t = 0; t < kThreads; ++t)
+        for (int i = kEach - 1; i >= 0; --i) {
+          Message m = eng.recv(t, i, bit(kRequest), "message");
+          EXPECT_TRUE(m.tensors[0].equal(at::full({100 + i}, t * 1000 + i, at::kInt)));
+        }
+    }
+  });
+}
+
+TEST(P2P, TimeoutNamesWhatWasAwaited) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
+    P2PEngine eng(pg, 0.3);
+    if (r == 1) {
+      try {
+        eng.recv(3, 9, bit(kResponse), "the response of call 9 (microbatch 3) from pp rank 0");
+        ADD_FAILURE() << "no timeout";
+      } catch (const TimeoutError& e) {
+        EXPECT_STREQ(e.what(), "smp: timed out after 0.3 s waiting for the response of call 9 "
+                               "(microbatch 3) from pp rank 0 (pp rank 1)");
+      }
+    }
+  });
+}
+
+// Note [Compute token]: waiters get the token in priority order, not arrival order.
+TEST(P2P, TokenGoesToLowestPriorityValue) {
+  run_gloo_world(1, [](int, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
+    P2PEngine eng(pg, 10);
+    eng.acquire_token(0);
+    std::vector<int> order;
+    std::mutex mu;
+    std::atomic<int> started{0};
+    std::vector<std::thread> ts;
+    for (int p : {5, 1, 3}) {
+      ts.emplace_back([&, p] {
+        started++;
+        eng.acquire_token(p);
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          order.push_back(p);
+        }
+        eng.release_token();
+      });
+    }
+    while (started < 3) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    eng.release_token();
+    for (auto& t : ts) t.join();
+    EXPECT_EQ(order, (std::vector<int>{1, 3, 5}));
+  });
+}
+
+TEST(P2P, RecvYieldsTheTokenWhileWaiting) {
+  run_gloo_world(1, [](int, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
+    P2PEngine eng(pg, 10);
+    eng.acquire_token(0);
+    std::thread other([&] {
+      eng.acquire_token(1);  // only possible while the main task waits
+      eng.send(0, make(0, 1, kResponse, "wake"));
+      eng.release_token();
+    });
+    Message m = eng.recv(0, 1, bit(kResponse), "wake", /*yield_token=*/true, 0);
+    EXPECT_EQ(m.meta, "wake");
+    eng.release_token();  // re-acquired by recv
+    other.join();
+  });
+}
+
+}  // namespace
+}  // namespace smp

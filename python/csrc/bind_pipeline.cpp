@@ -12,7 +12,7 @@ namespace smp::python {
 
 void bind_pipeline(py::module_& m) {
   using release = py::call_guard<py::gil_scoped_release>;
-  py::enum_<MsgKind>(m, "MsgKind")
+  py::enum_<MsgKind>(m, "MsgKind", py::arithmetic())
       .value("REQUEST", kRequest)
       .value("RESPONSE", kResponse)
       .value("BACKWARD_REQUEST", kBackwardRequest)

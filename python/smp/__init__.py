@@ -7,6 +7,11 @@ import torch  # noqa: F401  (must precede smp._C: it registers torch's pybind11 
 
 from smp import _C
 from smp import amp
+from smp import model
+from smp.model import DistributedModel
+from smp.optimizer import DistributedOptimizer
+from smp.partitioning import partition
+from smp.step import StepOutput, step
 from smp.core import (
     CommGroup, ConfigError, RankType, allgather, barrier, broadcast, dp_barrier, dp_rank,
     dp_size, gather, get_dp_group, get_dp_process_group, get_mp_group,
@@ -46,5 +51,6 @@ __all__ = [
     "MP_GROUP", "WORLD_RANK", "PP_RANK", "TP_RANK", "RDP_RANK", "DP_RANK", "MP_RANK",
     "barrier", "pp_barrier", "dp_barrier", "mp_barrier", "broadcast", "send",
     "recv_from", "allgather", "gather", "num_microbatches", "is_tracing", "amp",
+    "DistributedModel", "DistributedOptimizer", "StepOutput", "step", "partition", "model",
     "__version__",
 ]

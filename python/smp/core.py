@@ -5,6 +5,7 @@ computes the rank layout and moves the bytes; this module resolves where the con
 comes from, creates the ``torch.distributed`` groups (so they are registered with
 torch and usable with its API) and pickles objects.
 """
+import atexit
 import datetime
 import enum
 import json
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from smp import _C
+from smp.timeline import timeline
 
 __all__ = []
 
@@ -61,6 +63,11 @@ class _State:
         self.optimizer = None
         self.microbatch = 0
         self.tracing = False
+
+    def microbatch_of_task(self):
+        """The microbatch the calling thread works on (pipeline tasks), else the step's."""
+        from smp.pipeline import _task
+        return _task.mb if _task.mb is not None else self.microbatch
 
 
 state = _State()
@@ -166,6 +173,13 @@ def init(config=None):
         pg = dist.new_group([r], timeout=timeout)
         if r == rank:
             groups["tp"] = pg
+    if cfg["partitions"] > 1:
+        # The pipeline's point-to-point traffic gets groups of its own, so it never
+        # interleaves with collectives on the pp group.
+        for ranks in topo.all_pp_groups():
+            pg = dist.new_group(ranks, timeout=timeout, backend="gloo")
+            if rank in ranks:
+                groups["pp_p2p"] = pg
 
     _C.install(cfg_json, rank, world, local_rank, local_size, store,
                groups["world"], groups["pp"], groups["dp"])
@@ -176,12 +190,17 @@ def init(config=None):
     state.store = store
     state.groups = groups
     state.initialized = True
+    timeline.start(rank)
+    atexit.register(timeline.close)
 
 
 def shutdown():
     """Tears down smp's groups (tests and scripts that re-initialise)."""
     if not state.initialized:
         return
+    if state.model is not None and getattr(state.model, "_engine", None) is not None:
+        state.model._engine.shutdown()
+    timeline.close()
     _C.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -389,3 +408,6 @@ def num_microbatches():
 
 def is_tracing():
     return state.tracing
+
+
+SMPTimeoutError = _C.SMPTimeoutError

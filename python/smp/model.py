@@ -1,0 +1,474 @@
+"""`smp.DistributedModel`: the model wrapper (SMP v1 `smp.model.DistributedModel`).
+
+Python here intercepts calls and presents the API; the gradient reduction (buckets,
+hooks, ordering) is the C++ reducer (`smp._C.Reducer`), the partitioning is C++
+(`smp._C.partition`).
+
+Gradient averaging (explicit, see docs/data_parallel.md):
+- over microbatches: with `average_grads_across_microbatches` each microbatch's
+  backward is seeded with 1/microbatches (so a mean loss gives the full-batch mean
+  gradient); otherwise gradients are summed over microbatches;
+- over dp ranks: the comm hook averages (the default allreduce hook divides by the dp
+  group size before the sum, as torch DDP does).
+"""
+import sys
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from smp import _C, core
+from smp import tracer
+
+__all__ = []
+
+_BOOL_ARGS = ("trace_execution_times", "overlapping_allreduce",
+              "average_grads_across_microbatches", "trace_memory_usage", "broadcast_buffers",
+              "gradient_as_bucket_view")
+
+
+def _check_arg(name, value, ok, allowed):
+    if not ok:
+        raise ValueError(f"smp.DistributedModel: argument '{name}'={value!r} is not {allowed}")
+
+
+class DistributedModel(torch.nn.Module):
+    """Wraps `module` for model parallelism (partitions) and data parallelism (ddp).
+
+    Args:
+        module: the model. Its Parameter objects are kept (an optimizer built on them
+            before wrapping keeps working).
+        trace_device: "cpu" or "gpu": where the first step traces the model.
+        trace_execution_times: measure module times while tracing (partitioning input).
+        overlapping_allreduce: start a bucket's communication as soon as it is ready
+            (True) or all at the end of backward (False).
+        backward_passes_per_step: steps whose gradients accumulate before one reduction.
+        average_grads_across_microbatches: average (True) or sum gradients over
+            microbatches.
+        bucket_cap_mb: gradient bucket size in MiB.
+        trace_memory_usage: measure module memory while tracing.
+        broadcast_buffers: broadcast buffers from dp rank 0 before every step.
+        gradient_as_bucket_view: gradients are views into the reduction buckets (saves a
+            copy and memory).
+
+    Raises:
+        ValueError: a bad argument (named, with its value and what is allowed).
+        RuntimeError: smp is not initialised, or a DistributedModel already exists.
+    """
+
+    def __init__(self, module, trace_device="cpu", trace_execution_times=False,
+                 overlapping_allreduce=True, backward_passes_per_step=1,
+                 average_grads_across_microbatches=True, bucket_cap_mb=25,
+                 trace_memory_usage=False, broadcast_buffers=True,
+                 gradient_as_bucket_view=False):
+        super().__init__()
+        core._require_init()
+        _check_arg("module", module, isinstance(module, torch.nn.Module), "a torch.nn.Module")
+        _check_arg("trace_device", trace_device, trace_device in ("cpu", "gpu"),
+                   "one of {cpu, gpu}")
+        if trace_device == "gpu" and not torch.cuda.is_available():
+            trace_device = "cpu"
+        _check_arg("backward_passes_per_step", backward_passes_per_step,
+                   isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1,
+                   "an integer >= 1")
+        _check_arg("bucket_cap_mb", bucket_cap_mb,
+                   isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0, "a number > 0")
+        args = dict(trace_execution_times=trace_execution_times,
+                    overlapping_allreduce=overlapping_allreduce,
+                    average_grads_across_microbatches=average_grads_across_microbatches,
+                    trace_memory_usage=trace_memory_usage, broadcast_buffers=broadcast_buffers,
+                    gradient_as_bucket_view=gradient_as_bucket_view)
+        for name in _BOOL_ARGS:
+            _check_arg(name, args[name], isinstance(args[name], bool), "one of {True, False}")
+        if core.state.model is not None:
+            raise RuntimeError("smp: only one smp.DistributedModel may exist per process")
+        cfg = core.state.cfg
+        if core.dp_size() > 1 and not cfg.ddp:
+            raise core.ConfigError(
+                f"smp: config 'ddp'=false but the world holds {core.dp_size()} model replicas "
+                f"(world {core.size()} / partitions {cfg.partitions}); set 'ddp': true so "
+                "their gradients are reduced")
+        self.module = module
+        self.trace_device = trace_device
+        self.backward_passes_per_step = backward_passes_per_step
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        for name in _BOOL_ARGS:
+            setattr(self, name, args[name])
+        self.partitioned = False
+        self._post_partition_hooks = {}
+        self._post_step_hooks = {}
+        self._comm_hook = None
+        self._reducer = None
+        self._steps = 0
+        self._in_step = False
+        self._sync_backward = False
+        self._synced_this_step = False
+        self._first_use_order = None
+        self._engine = None
+        self._plan = None
+        self._owner = None          # module name -> pp rank (after partitioning)
+        self._state_tensors = None  # the plain module's state, by key, in key order
+        self._pending_state = None  # load_state_dict before partitioning
+        core.state.model = self
+
+    # --- wrapper plumbing -------------------------------------------------------------
+
+    def get_module(self):
+        return self.module
+
+    def forward(self, *args, **kwargs):
+        if not self._in_step and core.pp_size() > 1:
+            raise RuntimeError("smp: a partitioned DistributedModel can only be called inside "
+                               "an @smp.step function")
+        return self.module(*args, **kwargs)
+
+    @property
+    def _dp_reduce(self):
+        return core.state.cfg.ddp and core.dp_size() > 1
+
+    # --- the step ---------------------------------------------------------------------
+
+    def _run_step(self, fn, mb_inputs):
+        """Runs the step body once per microbatch; returns the per-microbatch results."""
+        if self._in_step:
+            raise RuntimeError("smp: @smp.step functions cannot be nested")
+        if not self.partitioned:
+            self._partition(fn, mb_inputs)
+        elif self.broadcast_buffers and self._dp_reduce:
+            self._broadcast(list(self.local_buffers()))
+        self._steps += 1
+        sync_step = self._steps % self.backward_passes_per_step == 0
+        self._synced_this_step = False
+        if core.pp_size() > 1:
+            return self._run_pipeline_step(fn, mb_inputs, sync_step)
+        results = []
+        self._in_step = True
+        try:
+            for mb, (args, kwargs) in enumerate(mb_inputs):
+                core.state.microbatch = mb
+                self._sync_backward = sync_step and mb == len(mb_inputs) - 1
+                self._record_first_use(mb)
+                results.append(fn(*args, **kwargs))
+            if self._synced_this_step:
+                self._reducer.finalize()
+        finally:
+            self._in_step = False
+            self._stop_recording()
+        for hook in list(self._post_step_hooks.values()):
+            hook(self, core.state.optimizer)
+        return results
+
+    def _partition(self, fn, mb_inputs):
+        """First step: trace and partition (pp > 1), then sync the dp replicas."""
+        self._state_tensors = self.module.state_dict(keep_vars=True)
+        if core.pp_size() > 1:
+            self._partition_pipeline(fn, mb_inputs)
+        if self._dp_reduce:
+            # Deferred to the first step, not wrap time (SMP semantics).
+            self._broadcast(list(self.local_parameters()) + list(self.local_buffers()))
+        self.partitioned = True
+        if self._pending_state is not None:
+            self.load_state_dict(self._pending_state[0], self._pending_state[1])
+            self._pending_state = None
+        for hook in list(self._post_partition_hooks.values()):
+            hook(self, core.state.optimizer)
+
+    # --- pipeline (partitions > 1) ----------------------------------------------------
+
+    def _set_microbatch(self, mb):
+        core.state.microbatch = mb
+
+    def _trace(self, fn, mb_inputs):
+        """Runs the first microbatch through the whole model, recording the trace."""
+        trace = tracer.Trace(self.module, self.trace_execution_times, self.trace_memory_usage)
+        args, kwargs = mb_inputs[0]
+        core.state.tracing = True
+        self._in_step = True
+        try:
+            with trace, torch.no_grad():
+                fn(*args, **kwargs)
+        finally:
+            core.state.tracing = False
+            self._in_step = False
+        mine = trace.nodes()
+        # pp rank 0's measurements decide (times differ between ranks); the structure
+        # stays each rank's own, so a model that differs between ranks is caught below.
+        ref = core.allgather(mine, core.CommGroup.MP_GROUP)[0]
+        if [r["name"] for r in ref] != [r["name"] for r in mine]:
+            raise RuntimeError(f"smp: the model differs between pp ranks: {len(mine)} modules "
+                               f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
+        measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
+        return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
+
+    def _partition_pipeline(self, fn, mb_inputs):
+        from smp import pipeline
+        records = self._trace(fn, mb_inputs)
+        nodes, plan = tracer.make_plan(records)
+        hashes = core.allgather(plan.hash, core.CommGroup.MP_GROUP)
+        if len(set(hashes)) != 1:
+            raise RuntimeError("smp: ranks of the mp group computed different partitions "
+                               f"(plan hashes by pp rank: {[hex(h) for h in hashes]})")
+        if core.rank() == 0:
+            print("smp: partition plan\n" + plan.table(nodes), file=sys.stderr, flush=True)
+        table = tracer.module_table(self.module)
+        owner = {id(m): plan.assignment[i] for i, (_, m, _) in enumerate(table)}
+        name_of = {id(m): name for name, m, _ in table}
+        self._plan = [(name, plan.assignment[i], plan.node_cost[i])
+                      for i, (name, _, _) in enumerate(table)]
+        self._owner = {name: plan.assignment[i] for i, (name, _, _) in enumerate(table)}
+        self._module_table = [(name, m) for name, m, _ in table]
+        me = core.pp_rank()
+        engine = pipeline.Engine(self)
+        proxies = {}
+        for _, parent, _ in table:
+            for slot, child in list(parent._modules.items()):
+                if child is None or owner[id(child)] == owner[id(parent)]:
+                    continue
+                if id(child) not in proxies:
+                    proxies[id(child)] = pipeline.RemoteModule(name_of[id(child)],
+                                                               owner[id(child)], engine)
+                    if owner[id(child)] == me:
+                        engine.owned[name_of[id(child)]] = child
+                parent._modules[slot] = proxies[id(child)]
+        # Release what other ranks own: that is the point of model parallelism. The
+        # Parameter objects stay (an optimizer may hold them); their storage goes.
+        with torch.no_grad():
+            for name, m in self._module_table:
+                if owner[id(m)] == me:
+                    continue
+                for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    t.grad = None
+        self._engine = engine
+
+    def _run_pipeline_step(self, fn, mb_inputs, sync_step):
+        self._in_step = True
+        self._backward_this_step = False
+        try:
+            results, backward = self._engine.run_step(fn, mb_inputs)
+            if backward and sync_step and self._dp_reduce:
+                if self._reducer is None:
+                    self._make_reducer()
+                # Every local gradient is final once the driver ends the step.
+                self._reducer.prepare_for_backward(True, 1.0, [])
+                self._reducer.finalize()
+        finally:
+            self._in_step = False
+        for hook in list(self._post_step_hooks.values()):
+            hook(self, core.state.optimizer)
+        return results
+
+    def _broadcast(self, tensors):
+        with torch.no_grad():
+            _C.broadcast_coalesced(core.get_dp_process_group(), tensors, 0)
+
+    # Note [Bucket order from the first iteration]: during the first microbatch of the
+    # first step, forward pre-hooks record the order in which modules first run; the
+    # reverse of their parameters' order is when gradients will become ready, so the
+    # reducer's buckets match backward from step one. dp rank 0's order is used on all.
+    def _record_first_use(self, mb):
+        if mb != 0 or self._reducer is not None or self._first_use_order is not None \
+                or not self._dp_reduce:
+            return
+        order, seen, handles = [], set(), []
+        index = {id(p): i for i, p in enumerate(self._reduced_params())}
+
+        def pre_hook(module, _inputs):
+            for p in module.parameters(recurse=False):
+                if id(p) in index and id(p) not in seen:
+                    seen.add(id(p))
+                    order.append(index[id(p)])
+        for m in self.module.modules():
+            handles.append(m.register_forward_pre_hook(pre_hook))
+        self._first_use_order = order
+        self._record_handles = handles
+
+    def _stop_recording(self):
+        for h in getattr(self, "_record_handles", ()):
+            h.remove()
+        self._record_handles = ()
+
+    def _reduced_params(self):
+        return [p for p in self.local_parameters() if p.requires_grad]
+
+    def _make_reducer(self):
+        self._stop_recording()
+        params = self._reduced_params()
+        used = list(self._first_use_order or [])
+        rest = [i for i in range(len(params)) if i not in set(used)]
+        expected = list(reversed(used + rest))
+        expected = core.allgather(expected, core.CommGroup.DP_GROUP)[0]  # dp rank 0 decides
+        self._reducer = _C.Reducer(
+            params, core.get_dp_process_group(), bucket_cap_mb=self.bucket_cap_mb,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            overlapping=self.overlapping_allreduce, expected_order=expected,
+            timeout_s=core.state.cfg.timeout_s)
+        if self._comm_hook is not None:
+            from smp.ddp_comm_hooks import _install
+            _install(self._reducer, *self._comm_hook)
+
+    def backward(self, tensors, grad_tensors=None):
+        """Backward across partitions (replaces loss.backward() inside @smp.step).
+
+        Args:
+            tensors: a tensor or sequence of tensors (a scalar loss, typically).
+            grad_tensors: gradients w.r.t. `tensors` (None for scalars).
+        """
+        if not self._in_step:
+            raise RuntimeError("smp: model.backward() must be called inside an @smp.step "
+                               "function")
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None:
+            grad_tensors = [None] * len(tensors)
+        elif isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = [grad_tensors]
+        num_mb = core.state.cfg.microbatches
+        if self.average_grads_across_microbatches and num_mb > 1:
+            grad_tensors = [(torch.ones_like(t) if g is None else g) / num_mb
+                            for t, g in zip(tensors, grad_tensors)]
+        if core.state.tracing:
+            return  # the trace runs forward only
+        if self._engine is not None:
+            self._engine.forward_finished(core.state.microbatch_of_task())
+            self._engine.wait_all_forwards()
+            self._backward_this_step = True
+        elif self._dp_reduce:
+            if self._reducer is None:
+                self._make_reducer()
+            self._reducer.prepare_for_backward(self._sync_backward, 1.0, tensors)
+            self._synced_this_step |= self._sync_backward
+        torch.autograd.backward(tensors, grad_tensors)
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def register_comm_hook(self, state, hook):
+        """Registers a gradient communication hook (once, before the first step).
+
+        Args:
+            state: the hook's state (a process group, PowerSGDState, ... or None).
+            hook: `hook(state, bucket) -> torch.futures.Future[Tensor]`, or a built-in
+                from smp.ddp_comm_hooks (runs in C++).
+        """
+        if self._comm_hook is not None or self._reducer is not None or self._steps > 0:
+            raise RuntimeError("smp: register_comm_hook must be called once, before the "
+                               "first step")
+        if not callable(hook):
+            raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
+        self._comm_hook = (state, hook)
+
+    def register_post_partition_hook(self, hook):
+        handle = RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
+        return handle
+
+    def register_post_step_hook(self, hook):
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    # --- local views and state --------------------------------------------------------
+
+    def _is_local(self, module_name):
+        return self._owner is None or self._owner[module_name] == core.pp_rank()
+
+    def local_named_modules(self, memo=None, prefix=""):
+        table = self._module_table if self._owner is not None else self.module.named_modules()
+        for name, m in table:
+            if self._is_local(name):
+                yield (prefix + ("." if prefix and name else "") + name, m)
+
+    def local_modules(self):
+        return (m for _, m in self.local_named_modules())
+
+    def local_named_parameters(self, prefix="", recurse=True):
+        seen = set()
+        for name, m in self.local_named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    full = f"{name}.{pname}" if name else pname
+                    yield (prefix + ("." if prefix else "") + full, p)
+
+    def local_parameters(self, recurse=True):
+        return (p for _, p in self.local_named_parameters())
+
+    def local_named_buffers(self, prefix="", recurse=True):
+        for name, m in self.local_named_modules():
+            for bname, b in m.named_buffers(recurse=False):
+                full = f"{name}.{bname}" if name else bname
+                yield (prefix + ("." if prefix else "") + full, b)
+
+    def local_buffers(self, recurse=True):
+        return (b for _, b in self.local_named_buffers())
+
+    def _key_owner(self, key):
+        return self._owner[key.rsplit(".", 1)[0] if "." in key else ""]
+
+    def local_state_dict(self, *args, **kwargs):
+        """This rank's part of the state dict, with key `_smp_is_partial`."""
+        if self._owner is None:
+            sd = self.module.state_dict(*args, **kwargs)
+        else:
+            me = core.pp_rank()
+            sd = {k: v.detach() for k, v in self._state_tensors.items()
+                  if self._key_owner(k) == me}
+        sd["_smp_is_partial"] = core.pp_size() > 1
+        return sd
+
+    def state_dict(self, *args, **kwargs):
+        """The full model's state dict, with exactly the plain module's keys.
+
+        With partitions > 1 this gathers every pp rank's part: call it on every rank of
+        the mp group (SMP v1: on every rank with dp_rank() == 0).
+        """
+        if self._owner is None:
+            return self.module.state_dict(*args, **kwargs)
+        parts = core.allgather(self.local_state_dict(), core.CommGroup.MP_GROUP)
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        from collections import OrderedDict
+        return OrderedDict((k, merged[k]) for k in self._state_tensors)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Loads a full or partial state dict (partial: keys of this rank only).
+
+        Before the first step (partitioning) the load is deferred until then.
+        """
+        state_dict = dict(state_dict)
+        partial = bool(state_dict.pop("_smp_is_partial", False))
+        if self._owner is None and core.pp_size() > 1:
+            self._pending_state = (state_dict, strict)
+            return None
+        if self._owner is None:
+            return self.module.load_state_dict(state_dict, strict)
+        me = core.pp_rank()
+        missing = [k for k in self._state_tensors
+                   if self._key_owner(k) == me and k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_tensors]
+        if strict and (missing or unexpected or (not partial and any(
+                k not in state_dict for k in self._state_tensors))):
+            raise RuntimeError(f"smp: load_state_dict: missing keys {missing}, unexpected "
+                               f"keys {unexpected}")
+        with torch.no_grad():
+            for k, v in state_dict.items():
+                if k in self._state_tensors and self._key_owner(k) == me:
+                    self._state_tensors[k].copy_(v)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def partition_plan(self):
+        """Module name -> {"partition": pp rank, "cost": normalized cost}."""
+        if self._plan is None:
+            return {name: {"partition": 0, "cost": 0.0}
+                    for name, _ in self.module.named_modules()}
+        return {name: {"partition": p, "cost": c} for name, p, c in self._plan}
+
+    def cpu(self):
+        """Gathers every pp rank's parameters and buffers and moves the model to CPU."""
+        if self._owner is not None:
+            full = self.state_dict()
+            with torch.no_grad():
+                for k, t in self._state_tensors.items():
+                    if t.numel() == 0 and full[k].numel() > 0:
+                        t.data = full[k].clone()
+        self.module.cpu()
+        return self

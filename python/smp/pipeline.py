@@ -1,0 +1,428 @@
+"""Pipelined execution across partitions (pp > 1).
+
+A module owned by another pp rank is replaced in its parent by a `RemoteModule`
+proxy. Calling it sends a request (tensors by value, the rest pickled) through the C++
+transport (`smp._C.P2PEngine`); the owner runs the module under autograd and answers
+with the outputs. `_RemoteCall` makes the call one node of the caller's autograd
+graph: its backward sends the output gradients to the owner and waits for the input
+gradients, which the owner computes on the graph it recorded for that call.
+
+Tasks: the driver (pp rank 0) runs the step body once per microbatch, each in a
+thread; every other rank runs one serving task per microbatch. A task computes only
+while it holds the rank's compute token (C++), and gives it up while it waits for a
+message, so another microbatch's work proceeds: that is the pipeline. Token priorities
+encode the schedule (see `_priority`). Messages are matched by (microbatch, call id,
+kind), never by arrival order.
+
+Failures: a module that raises on its owner is answered with an ERROR carrying the
+exception and its traceback; the step body raises it on the driver, which then sends
+ABORT to every pp rank, so every rank raises the same error and none hangs.
+"""
+import pickle
+import threading
+import traceback
+
+import torch
+
+from smp import _C, core
+from smp.timeline import timeline
+
+__all__ = []
+
+K = _C.MsgKind
+_BIT = {k: 1 << int(k) for k in (K.REQUEST, K.RESPONSE, K.BACKWARD_REQUEST,
+                                 K.BACKWARD_RESPONSE, K.ERROR, K.MICROBATCH_DONE,
+                                 K.STEP_END, K.ABORT)}
+_SERVE_MASK = _BIT[K.REQUEST] | _BIT[K.BACKWARD_REQUEST] | _BIT[K.ABORT]
+_CALL_ID_STRIDE = 1 << 40
+
+
+class RemoteTraceback(Exception):
+    """Carries the traceback text of an exception raised on another rank."""
+
+    def __str__(self):
+        return "\n" + self.args[0]
+
+
+class _TensorSlot:
+    __slots__ = ("index",)
+
+    def __init__(self, index):
+        self.index = index
+
+    def __reduce__(self):
+        return (_TensorSlot, (self.index,))
+
+
+def flatten(value, tensors):
+    """Replaces tensors in `value` by slots appended to `tensors`; returns the skeleton."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _TensorSlot(len(tensors) - 1)
+    if isinstance(value, (list, tuple)):
+        items = [flatten(v, tensors) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, flatten(v, tensors)) for k, v in value.items())
+    return value
+
+
+def unflatten(skeleton, tensors):
+    if isinstance(skeleton, _TensorSlot):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, (list, tuple)):
+        items = [unflatten(v, tensors) for v in skeleton]
+        return type(skeleton)(*items) if hasattr(skeleton, "_fields") else type(skeleton)(items)
+    if isinstance(skeleton, dict):
+        return type(skeleton)((k, unflatten(v, tensors)) for k, v in skeleton.items())
+    return skeleton
+
+
+def _error_payload(exc):
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    where = f"(raised on rank {core.rank()}, pp rank {core.pp_rank()})\n"
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+    except Exception:  # unpicklable exception: carry its text
+        blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+    return pickle.dumps((blob, where + text))
+
+
+def _raise_remote(meta):
+    blob, text = pickle.loads(meta)
+    exc = pickle.loads(blob)
+    raise exc from RemoteTraceback(text)
+
+
+class _Task(threading.local):
+    """Per-thread context: which microbatch this task works on."""
+
+    mb = None
+    backward = False
+
+
+_task = _Task()
+
+
+class Engine:
+    """Per-process pipeline state: transport, owned modules, recorded calls."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cfg = core.state.cfg
+        self.p2p = _C.P2PEngine(core.state.groups["pp_p2p"], self.cfg.timeout_s)
+        self.owned = {}        # module name -> module (served here)
+        self.records = {}      # (caller, mb, call id) -> (input leaves, outputs)
+        self.counters = {}     # mb -> next call id
+        self.lock = threading.Lock()
+        self.num_mb = self.cfg.microbatches
+        self.fwd_done = set()  # microbatches whose forward finished ("simple")
+        self.fwd_cond = threading.Condition()
+
+    # Note [Schedule as priorities]: lower runs first. interleaved: any backward work
+    # before a new forward, earlier microbatches first; simple: every forward first.
+    def _priority(self, mb, backward):
+        if self.cfg.pipeline == "simple":
+            return (1 << 20) * int(backward) + mb
+        return (1 << 20) * int(not backward) + mb
+
+    def _next_call_id(self, mb):
+        with self.lock:
+            n = self.counters.get(mb, 0)
+            self.counters[mb] = n + 1
+        return core.pp_rank() * _CALL_ID_STRIDE + n
+
+    # --- caller side ------------------------------------------------------------------
+
+    def wait(self, mb, call_id, kind, what):
+        """Waits for the answer to `call_id`, serving requests of `mb` meanwhile."""
+        mask = _BIT[kind] | _BIT[K.ERROR] | _SERVE_MASK
+        while True:
+            msg = self.p2p.recv(mb, _C.ANY, mask, what, True,
+                                self._priority(mb, _task.backward))
+            if msg.kind in (K.REQUEST, K.BACKWARD_REQUEST):
+                self.serve(msg)
+                continue
+            if msg.kind == K.ABORT:
+                _raise_remote(msg.meta)
+            if msg.call_id != call_id:
+                raise RuntimeError(f"smp: pipeline protocol error: got {K(msg.kind).name} of "
+                                   f"call {msg.call_id} while waiting for call {call_id}")
+            if msg.kind == K.ERROR:
+                _raise_remote(msg.meta)
+            return msg
+
+    def call(self, name, owner, args, kwargs):
+        """Runs module `name` on pp rank `owner` for the current microbatch."""
+        mb = _task.mb
+        if mb is None:
+            raise RuntimeError(f"smp: module '{name}' lives on pp rank {owner}; call the "
+                               "model inside an @smp.step function")
+        tensors = []
+        skeleton = flatten((args, kwargs), tensors)
+        grad = torch.is_grad_enabled()
+        call = _Call(self, name, owner, mb, self._next_call_id(mb), skeleton, tensors, grad)
+        if grad:
+            outs = _RemoteCall.apply(call, _anchor(), *tensors)
+            if not isinstance(outs, tuple):
+                outs = (outs,)
+        else:
+            outs = call.forward(tensors)
+        return unflatten(call.out_skeleton, list(outs))
+
+    # --- owner side -------------------------------------------------------------------
+
+    def serve(self, msg):
+        """Runs one request on this rank (forward or backward of a recorded call)."""
+        key = (msg.src, msg.mb, msg.call_id)
+        try:
+            if msg.kind == K.REQUEST:
+                name, skeleton, requires_grad, grad = pickle.loads(msg.meta)
+                with timeline.span(f"fwd {name}", mb=msg.mb):
+                    inputs = [t.requires_grad_() if rg and grad else t
+                              for t, rg in zip(msg.tensors, requires_grad)]
+                    args, kwargs = unflatten(skeleton, inputs)
+                    prev, _task.backward = _task.backward, False
+                    try:
+                        with torch.set_grad_enabled(grad):
+                            out = self.owned[name](*args, **kwargs)
+                    finally:
+                        _task.backward = prev
+                    outs = []
+                    out_skeleton = flatten(out, outs)
+                    if grad:
+                        self.records[key] = (inputs, outs)
+                    meta = pickle.dumps((out_skeleton, [t.requires_grad for t in outs]))
+                    self.p2p.send(msg.src, _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
+                                                      [t.detach() for t in outs]))
+            else:
+                present = pickle.loads(msg.meta)
+                inputs, outs = self.records.pop(key)
+                grads = iter(msg.tensors)
+                pairs = [(o, next(grads)) for o, p in zip(outs, present) if p]
+                with timeline.span("bwd", mb=msg.mb):
+                    prev, _task.backward = _task.backward, True
+                    try:
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    finally:
+                        _task.backward = prev
+                    in_grads = [t.grad if t.requires_grad else None for t in inputs]
+                    meta = pickle.dumps([g is not None for g in in_grads])
+                    self.p2p.send(msg.src, _C.Message(
+                        msg.mb, msg.call_id, K.BACKWARD_RESPONSE, meta,
+                        [g for g in in_grads if g is not None]))
+        except Exception as exc:  # answer the caller; it re-raises with our traceback
+            self.records.pop(key, None)
+            self.p2p.send(msg.src, _C.Message(msg.mb, msg.call_id, K.ERROR,
+                                              _error_payload(exc), []))
+
+    def serve_microbatch(self, mb, errors):
+        """A non-driver rank's task for microbatch `mb`: serve until the driver is done."""
+        _task.mb = mb
+        mask = _SERVE_MASK | _BIT[K.MICROBATCH_DONE]
+        try:
+            while True:
+                msg = self.p2p.recv(mb, _C.ANY, mask, f"work for microbatch {mb} from the "
+                                    "pipeline driver (pp rank 0)")
+                if msg.kind == K.MICROBATCH_DONE:
+                    return
+                if msg.kind == K.ABORT:
+                    return
+                backward = msg.kind == K.BACKWARD_REQUEST
+                self.p2p.acquire_token(self._priority(mb, backward))
+                try:
+                    _task.backward = backward
+                    self.serve(msg)
+                finally:
+                    self.p2p.release_token()
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            _task.mb = None
+
+    # --- the step ---------------------------------------------------------------------
+
+    def run_step(self, fn, mb_inputs):
+        """Runs one step; returns (per-microbatch results, whether backward ran) on
+        every pp rank (the driver sends both with STEP_END)."""
+        self.counters.clear()
+        self.fwd_done = set()
+        self.num_mb = len(mb_inputs)
+        if core.pp_rank() == 0:
+            return self._drive(fn, mb_inputs)
+        return self._serve_step(len(mb_inputs))
+
+    def _drive(self, fn, mb_inputs):
+        num_mb = len(mb_inputs)
+        results, errors = [None] * num_mb, []
+        active = num_mb if self.cfg.pipeline == "simple" else self.cfg.active_microbatches
+        slots = threading.Semaphore(active)
+
+        def run(mb):
+            with slots:
+                _task.mb, _task.backward = mb, False
+                self.model._set_microbatch(mb)
+                self.p2p.acquire_token(self._priority(mb, False))
+                try:
+                    with timeline.span("microbatch", mb=mb):
+                        results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])
+                except BaseException as exc:
+                    if not errors:
+                        payload = _error_payload(exc)
+                        for r in range(core.pp_size()):
+                            self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
+                    errors.append(exc)
+                finally:
+                    self.p2p.release_token()
+                    self.forward_finished(mb)  # a failed or eval microbatch must not block
+                    for r in range(1, core.pp_size()):
+                        try:
+                            self.p2p.send(r, _C.Message(mb, 0, K.MICROBATCH_DONE, b"", []))
+                        except Exception:
+                            pass
+                    _task.mb = None
+
+        threads = [threading.Thread(target=run, args=(mb,), name=f"smp-mb{mb}")
+                   for mb in range(num_mb)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.records.clear()
+        self.p2p.clear_mailbox()
+        if errors:
+            raise errors[0]
+        out = (results, self.model._backward_this_step)
+        payload = pickle.dumps(out)
+        for r in range(1, core.pp_size()):
+            self.p2p.send(r, _C.Message(-1, 0, K.STEP_END, payload, []))
+        return out
+
+    def _serve_step(self, num_mb):
+        errors = []
+        threads = [threading.Thread(target=self.serve_microbatch, args=(mb, errors),
+                                    name=f"smp-serve{mb}") for mb in range(num_mb)]
+        for t in threads:
+            t.start()
+        try:
+            msg = self.p2p.recv(-1, _C.ANY, _BIT[K.STEP_END] | _BIT[K.ABORT],
+                                "the end of the step from the pipeline driver (pp rank 0)")
+        finally:
+            for t in threads:
+                t.join()
+            self.records.clear()
+            self.p2p.clear_mailbox()
+        if msg.kind == K.ABORT:
+            _raise_remote(msg.meta)
+        if errors:
+            raise errors[0]
+        return pickle.loads(msg.meta)
+
+    # "simple": every microbatch's forward finishes before any backward starts.
+    def forward_finished(self, mb):
+        with self.fwd_cond:
+            self.fwd_done.add(mb)
+            self.fwd_cond.notify_all()
+
+    def wait_all_forwards(self):
+        if self.cfg.pipeline != "simple":
+            return
+        self.p2p.release_token()
+        with self.fwd_cond:
+            done = self.fwd_cond.wait_for(lambda: len(self.fwd_done) >= self.num_mb,
+                                          timeout=self.cfg.timeout_s)
+        self.p2p.acquire_token(self._priority(_task.mb, True))
+        if not done:
+            raise core.SMPTimeoutError(
+                f"smp: timed out after {self.cfg.timeout_s} s waiting for every microbatch's "
+                "forward ('simple' pipeline) before backward")
+
+    def shutdown(self):
+        self.p2p = None
+
+
+_ANCHOR = None
+
+
+def _anchor():
+    """A scalar that requires grad, so every remote call is a node of the graph even
+    when none of its inputs requires grad (the owner's parameters still need grads)."""
+    global _ANCHOR
+    if _ANCHOR is None:
+        _ANCHOR = torch.zeros((), requires_grad=True)
+    return _ANCHOR
+
+
+class _Call:
+    """One remote call: its identity and the owner's answer."""
+
+    def __init__(self, engine, name, owner, mb, call_id, skeleton, tensors, grad):
+        self.engine, self.name, self.owner, self.mb, self.call_id = engine, name, owner, mb, call_id
+        self.skeleton, self.grad = skeleton, grad
+        self.requires_grad = [t.requires_grad for t in tensors]
+        self.out_skeleton = None
+        self.out_requires_grad = []
+
+    def forward(self, tensors):
+        e = self.engine
+        meta = pickle.dumps((self.name, self.skeleton, self.requires_grad, self.grad))
+        with timeline.span(f"call {self.name}", mb=self.mb):
+            e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.REQUEST, meta,
+                                              [t.detach() for t in tensors]))
+            msg = e.wait(self.mb, self.call_id, K.RESPONSE,
+                         f"the output of '{self.name}' (microbatch {self.mb}, call "
+                         f"{self.call_id}) from pp rank {self.owner}")
+        self.out_skeleton, self.out_requires_grad = pickle.loads(msg.meta)
+        return msg.tensors
+
+    def backward(self, grads):
+        e = self.engine
+        present = [g is not None and rg for g, rg in zip(grads, self.out_requires_grad)]
+        sent = [g.contiguous() for g, p in zip(grads, present) if p]
+        with timeline.span(f"call bwd {self.name}", mb=self.mb):
+            e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.BACKWARD_REQUEST,
+                                              pickle.dumps(present), sent))
+            msg = e.wait(self.mb, self.call_id, K.BACKWARD_RESPONSE,
+                         f"the input gradients of '{self.name}' (microbatch {self.mb}, call "
+                         f"{self.call_id}) from pp rank {self.owner}")
+        flags = pickle.loads(msg.meta)
+        got = iter(msg.tensors)
+        return [next(got) if f else None for f in flags]
+
+
+class _RemoteCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, anchor, *inputs):
+        outs = call.forward(list(inputs))
+        ctx.call = call
+        ctx.mark_non_differentiable(*[o for o, rg in zip(outs, call.out_requires_grad)
+                                      if not rg])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        prev = _task.backward
+        _task.backward = True
+        try:
+            in_grads = ctx.call.backward(grads)
+        finally:
+            _task.backward = prev
+        return (None, None) + tuple(in_grads)
+
+
+class RemoteModule(torch.nn.Module):
+    """Stands in its parent for a module owned by pp rank `owner`."""
+
+    def __init__(self, name, owner, engine):
+        super().__init__()
+        self.smp_target = name
+        self.smp_owner = owner
+        self._engine = engine
+
+    def forward(self, *args, **kwargs):
+        return self._engine.call(self.smp_target, self.smp_owner, args, kwargs)
+
+    def extra_repr(self):
+        return f"'{self.smp_target}' on pp rank {self.smp_owner}"

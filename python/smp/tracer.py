@@ -1,0 +1,124 @@
+"""The first step's trace: one microbatch through the whole model, recording what
+the partitioner (C++, `smp._C.partition`) needs: the module tree, call order and
+counts, parameter/buffer bytes, output bytes, and optionally time and memory.
+"""
+import time
+
+import torch
+
+from smp import _C, core
+from smp.partitioning import manual_partition_of
+
+__all__ = []
+
+
+def _tensor_bytes(value):
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def module_table(root):
+    """Pre-order (name, module, parent index) of the unique modules under `root`."""
+    table, index = [], {}
+    for name, module in root.named_modules():
+        parent = -1
+        if name:
+            parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+            parent = index[parent_name]
+        index[name] = len(table)
+        table.append((name, module, parent))
+    return table
+
+
+class Trace:
+    """Records module calls with forward hooks while it is active (a context manager)."""
+
+    def __init__(self, root, measure_time=False, measure_memory=False):
+        self.table = module_table(root)
+        self.measure_time = measure_time
+        self.measure_memory = measure_memory and torch.cuda.is_available()
+        n = len(self.table)
+        self.first_call = [-1] * n
+        self.calls = [0] * n
+        self.activation_bytes = [0] * n
+        self.time_ms = [0.0 if measure_time else -1.0] * n
+        self.mem_bytes = [0 if self.measure_memory else -1] * n
+        self._order = 0
+        self._stack = []  # (node, start time, children's time, start memory, children's memory)
+        self._handles = []
+
+    def _pre(self, i):
+        def hook(_module, _inputs):
+            if self.first_call[i] < 0:
+                self.first_call[i] = self._order
+                self._order += 1
+            self.calls[i] += 1
+            mem = torch.cuda.memory_allocated() if self.measure_memory else 0
+            self._stack.append([i, time.perf_counter(), 0.0, mem, 0])
+        return hook
+
+    def _post(self, i):
+        def hook(_module, _inputs, outputs):
+            self.activation_bytes[i] += _tensor_bytes(outputs)
+            node, start, child_t, mem0, child_m = self._stack.pop()
+            elapsed = time.perf_counter() - start
+            used = (torch.cuda.memory_allocated() - mem0) if self.measure_memory else 0
+            if self.measure_time:
+                self.time_ms[i] += max(0.0, elapsed - child_t) * 1000.0
+            if self.measure_memory:
+                self.mem_bytes[i] += max(0, used - child_m)
+            if self._stack:
+                self._stack[-1][2] += elapsed
+                self._stack[-1][4] += used
+        return hook
+
+    def __enter__(self):
+        for i, (_, module, _) in enumerate(self.table):
+            self._handles.append(module.register_forward_pre_hook(self._pre(i)))
+            self._handles.append(module.register_forward_hook(self._post(i)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def nodes(self):
+        """The trace as plain records (picklable, for the broadcast from pp rank 0)."""
+        records = []
+        for i, (name, module, parent) in enumerate(self.table):
+            direct = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+            records.append(dict(
+                name=name, parent=parent,
+                param_bytes=sum(t.numel() * t.element_size() for t in direct),
+                activation_bytes=self.activation_bytes[i], time_ms=self.time_ms[i],
+                mem_bytes=self.mem_bytes[i], first_call=self.first_call[i],
+                calls=self.calls[i], manual_partition=manual_partition_of(module)))
+        return records
+
+
+def to_module_nodes(records):
+    nodes = []
+    for r in records:
+        n = _C.partition.ModuleNode()
+        for key, value in r.items():
+            setattr(n, key, value)
+        nodes.append(n)
+    return nodes
+
+
+def make_plan(records):
+    """Runs the C++ partitioner on the trace with the config's options."""
+    cfg = core.state.cfg
+    opts = _C.partition.Options()
+    opts.partitions = cfg.partitions
+    opts.memory_weight = cfg.memory_weight
+    opts.auto_partition = cfg.auto_partition
+    opts.default_partition = cfg.default_partition
+    nodes = to_module_nodes(records)
+    return nodes, _C.partition.make_plan(nodes, opts)

@@ -220,8 +220,10 @@ class DistributedModel(torch.nn.Module):
         engine = pipeline.Engine(self)
         proxies = {}
         for _, parent, _ in table:
+            if type(parent).forward is torch.nn.Sequential.forward:
+                self._coalesce_sequential(parent, owner, name_of, engine)
             for slot, child in list(parent._modules.items()):
-                if child is None or owner[id(child)] == owner[id(parent)]:
+                if child is None or id(child) not in owner or owner[id(child)] == owner[id(parent)]:
                     continue
                 if id(child) not in proxies:
                     proxies[id(child)] = pipeline.RemoteModule(name_of[id(child)],
@@ -239,6 +241,30 @@ class DistributedModel(torch.nn.Module):
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
                     t.grad = None
         self._engine = engine
+
+    # Note [Sequential segments]: a plain nn.Sequential calls its children one after the
+    # other, so a run of consecutive children owned by one other rank is sent as ONE
+    # remote call of the whole run (one round trip per microbatch instead of one per
+    # child). The run's first slot gets the segment's proxy, the others nn.Identity.
+    @staticmethod
+    def _coalesce_sequential(parent, owner, name_of, engine):
+        from smp import pipeline
+        slots = list(parent._modules.items())
+        i = 0
+        while i < len(slots):
+            j = i
+            o = owner.get(id(slots[i][1]))
+            while j + 1 < len(slots) and owner.get(id(slots[j + 1][1])) == o:
+                j += 1
+            if j > i and o is not None and o != owner[id(parent)]:
+                run = [m for _, m in slots[i:j + 1]]
+                seg_name = f"{name_of[id(run[0])]}..{name_of[id(run[-1])]}"
+                if o == core.pp_rank():
+                    engine.owned[seg_name] = torch.nn.Sequential(*run)
+                parent._modules[slots[i][0]] = pipeline.RemoteModule(seg_name, o, engine)
+                for slot, _ in slots[i + 1:j + 1]:
+                    parent._modules[slot] = torch.nn.Identity()
+            i = j + 1
 
     def _run_pipeline_step(self, fn, mb_inputs, sync_step):
         self._in_step = True

@@ -22,7 +22,7 @@ class _Timeline:
         self.file = None
         self.lock = threading.Lock()
         self.rank = 0
-        self.t0 = time.perf_counter()
+        self.t0 = 0.0  # CLOCK_MONOTONIC is shared by the processes of a machine
 
     def start(self, rank):
         base = os.environ.get("SMP_TIMELINE")

@@ -261,6 +261,14 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
     return std::find_if(I.mailbox.begin(), I.mailbox.end(),
                         [&](const Message& m) { return I.matches(m, mb, call_id, kind_mask); });
   };
+  // An abort stays in the mailbox (until clear_mailbox) so that every waiting task of
+  // the step sees it, not only the first.
+  auto take = [&](std::deque<Message>::iterator pos) {
+    if (pos->kind == kAbort) return Message(*pos);
+    Message m = std::move(*pos);
+    I.mailbox.erase(pos);
+    return m;
+  };
   auto it = find();
   if (it == I.mailbox.end()) {
     if (yield_token && I.token_held) {
@@ -275,15 +283,12 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
         throw TimeoutError(str_cat("smp: timed out after ", I.timeout_s, " s waiting for ", what,
                                    " (pp rank ", I.rank, ")"));
     }
-    Message m = std::move(*it);
-    I.mailbox.erase(it);
+    Message m = take(it);
     I.stats.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (yield_token) I.acquire_locked(lock, priority);
     return m;
   }
-  Message m = std::move(*it);
-  I.mailbox.erase(it);
-  return m;
+  return take(it);
 }
 
 void P2PEngine::acquire_token(int64_t priority) {

@@ -71,7 +71,8 @@ class P2PEngine {
 
   // Blocks until a message with microbatch `mb` (kAny: any), call id `call_id`
   // (kAny: any) and a kind in `kind_mask` (bit 1 << kind) is in the mailbox, removes
-  // and returns it. Step-level kinds (kStepEnd, kAbort) match any `mb`. With
+  // and returns it. Step-level kinds (kStepEnd, kAbort) match any `mb`; an abort is
+  // returned to every waiter (it stays until clear_mailbox()). With
   // `yield_token`, the caller's compute token is released while waiting and
   // re-acquired with `priority` before returning. Throws TimeoutError naming `what`,
   // or CommError if a peer's connection broke.

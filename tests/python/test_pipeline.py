@@ -1,0 +1,246 @@
+"""Pipeline parallelism against the same model trained in one process.
+
+Every rank builds the same model from the same seed, trains it with smp and also
+trains an unwrapped copy in-process; losses, every parameter (gathered through
+model.state_dict()) and the partition ownership are compared.
+"""
+import json
+
+import pytest
+
+MODELS = r"""
+import torch, torch.nn as nn
+import smp
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.ln(x)))  # residual
+
+class Residual(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:  # a ModuleList loop
+            h = b(h)
+        return self.head(h)
+
+class Fancy(nn.Module):
+    # module reuse, data-dependent branch, kwargs, dict outputs, int token ids
+    def __init__(self, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(20, d)
+        self.shared = Block(d)
+        self.a = Block(d)
+        self.b = Block(d)
+        self.out = nn.Linear(d, 3)
+    def forward(self, tokens, scale=1.0):
+        h = self.emb(tokens).mean(dim=1) * scale
+        h = self.shared(h)
+        h = self.a(h) if h.sum() > 0 else self.b(h)  # data-dependent
+        h = self.shared(h)                          # reused module
+        return {"logits": self.out(h), "feat": h}
+
+class Placed(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        with smp.partition(1):
+            self.first = nn.Linear(8, d)
+        self.mid = nn.Linear(d, d)
+        with smp.partition(1):
+            self.last = nn.Linear(d, 3)
+    def forward(self, x):
+        return self.last(torch.relu(self.mid(torch.relu(self.first(x)))))
+
+class Exploding(nn.Linear):
+    def forward(self, x):
+        if not smp.is_tracing():  # the trace runs everything everywhere; the step does not
+            raise ValueError("kaboom in module b")
+        return super().forward(x)
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = Exploding(8, 8)
+    def forward(self, x):
+        return self.b(self.a(x))
+"""
+
+SCRIPT = MODELS + r"""
+import copy, json, os, sys
+opts = json.loads(sys.argv[1])
+cfg = dict(opts["cfg"])
+smp.init(cfg)
+torch.manual_seed(0)
+kind = opts.get("model", "residual")
+net = {"residual": Residual, "fancy": Fancy, "placed": Placed}[kind]()
+ref = copy.deepcopy(net)
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+model = smp.DistributedModel(net)
+opt = smp.DistributedOptimizer(opt)
+
+@smp.step
+def train_step(x, y, scale=1.0):
+    out = model(x, scale=scale) if kind == "fancy" else model(x)
+    logits = out["logits"] if kind == "fancy" else out
+    loss = nn.functional.mse_loss(logits, y)
+    model.backward(loss)
+    return loss, out
+
+@smp.step
+def eval_step(x):
+    return model(x)
+
+gen = torch.Generator().manual_seed(7)
+batch = 8
+dp = smp.dp_size()
+for step in range(3):
+    if kind == "fancy":
+        x = torch.randint(0, 20, (batch * dp, 5), generator=gen)
+    else:
+        x = torch.randn(batch * dp, 8, generator=gen)
+    y = torch.randn(batch * dp, 3, generator=gen)
+    # smp: this replica's shard of the global batch; reference: the whole batch.
+    lo, hi = smp.dp_rank() * batch, (smp.dp_rank() + 1) * batch
+    kw = {"scale": 0.5} if kind == "fancy" else {}
+    loss, out = train_step(x[lo:hi], y[lo:hi], **kw)
+    ref_out = ref(x, **kw) if kind == "fancy" else ref(x)
+    ref_logits = ref_out["logits"] if kind == "fancy" else ref_out
+    ref_loss = nn.functional.mse_loss(ref_logits, y)
+    ref_loss.backward()
+    ref_opt.step(); ref_opt.zero_grad()
+    opt.step(); opt.zero_grad()
+    # Step outputs are the same StepOutput on every rank.
+    mine = loss.reduce_mean()
+    expect = nn.functional.mse_loss(ref_logits[lo:hi], y[lo:hi]).detach()
+    torch.testing.assert_close(mine, expect, rtol=1e-5, atol=1e-5)
+    if kind == "fancy":
+        assert set(out) == {"logits", "feat"} and isinstance(out["feat"], smp.StepOutput)
+        assert out["logits"].concat().shape == (batch, 3)
+
+# Parameters equal the single-process run's, gathered with the plain module's keys.
+full = model.state_dict()
+assert list(full) == list(ref.state_dict()), (list(full), list(ref.state_dict()))
+for k, v in ref.state_dict().items():
+    torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+# Ownership: disjoint, non-empty (when the model can be split), covering the model.
+local = [n for n, _ in model.local_named_parameters()]
+owned = smp.allgather(local, smp.MP_GROUP)
+flat = [n for part in owned for n in part]
+assert sorted(flat) == sorted(n for n, _ in ref.named_parameters()), owned
+assert len(flat) == len(set(flat)), owned
+plan = model.partition_plan()
+if kind != "placed":
+    assert all(part for part in owned), owned
+    assert set(p["partition"] for p in plan.values()) == set(range(smp.pp_size())), plan
+# Evaluation under no_grad works and agrees.
+model.eval(); ref.eval()
+with torch.no_grad():
+    xe = torch.randint(0, 20, (batch, 5)) if kind == "fancy" else torch.randn(batch, 8)
+    ev = eval_step(xe)
+    want = ref(xe)
+    got = ev["logits"].concat() if kind == "fancy" else ev.concat()
+    torch.testing.assert_close(got, want["logits"] if kind == "fancy" else want,
+                               rtol=1e-5, atol=1e-5)
+print("owned", json.dumps(owned))
+print("plan", json.dumps({k: v["partition"] for k, v in plan.items()}))
+"""
+
+
+def _run(ranks, world, cfg, model="residual"):
+    return ranks(SCRIPT, world, args=(json.dumps({"cfg": cfg, "model": model}),), timeout=180)
+
+
+@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
+@pytest.mark.parametrize("mb", [1, 2, 4])
+def test_pp2_matches_single_process(ranks, pipeline, mb):
+    _run(ranks, 2, {"partitions": 2, "microbatches": mb, "pipeline": pipeline})
+
+
+def test_pp4_mb4(ranks):
+    res = _run(ranks, 4, {"partitions": 4, "microbatches": 4})
+    owned = json.loads(res[0].stdout.split("owned", 1)[1].splitlines()[0])
+    assert len(owned) == 4 and all(owned)
+
+
+def test_pp2_dp2(ranks):
+    _run(ranks, 4, {"partitions": 2, "microbatches": 2, "ddp": True})
+
+
+def test_module_reuse_branch_kwargs_dicts_token_ids(ranks):
+    _run(ranks, 2, {"partitions": 2, "microbatches": 2}, model="fancy")
+
+
+def test_manual_partition_honoured(ranks):
+    res = _run(ranks, 2, {"partitions": 2, "auto_partition": False, "default_partition": 0},
+               model="placed")
+    plan = json.loads(res[0].stdout.split("plan", 1)[1].splitlines()[0])
+    assert plan["first"] == 1 and plan["last"] == 1 and plan["mid"] == 0 and plan[""] == 0
+
+
+def test_manual_partition_ignored_with_auto(ranks):
+    res = _run(ranks, 2, {"partitions": 2, "auto_partition": True}, model="placed")
+    plan = json.loads(res[0].stdout.split("plan", 1)[1].splitlines()[0])
+    assert plan["first"] == 0  # contiguous auto plan: the first layer stays on stage 0
+
+
+def test_remote_exception_raised_on_every_rank(ranks):
+    script = MODELS + r"""
+import sys
+smp.init({"partitions": 2, "microbatches": 2, "timeout_s": 60})
+model = smp.DistributedModel(Boom())
+@smp.step
+def step(x):
+    out = model(x)
+    model.backward(out.sum())
+    return out
+try:
+    step(torch.randn(4, 8))
+except ValueError as e:
+    cause = e.__cause__
+    print("raised:", e, "| remote:", "kaboom" in str(cause), "pp rank 1" in str(cause))
+    sys.exit(3)
+"""
+    res = ranks(script, 2, check=False, timeout=120)
+    for r in res:
+        assert r.returncode == 3, r
+        assert "raised: kaboom in module b | remote: True True" in r.stdout, r
+
+
+def test_too_many_partitions_is_a_clear_error(ranks):
+    script = r"""
+import sys, torch, torch.nn as nn, smp
+smp.init({"partitions": 4})
+model = smp.DistributedModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+@smp.step
+def step(x):
+    return model(x)
+try:
+    step(torch.randn(2, 4))
+except ValueError as e:
+    print("error:", e); sys.exit(3)
+"""
+    for r in ranks(script, 4, check=False, timeout=120):
+        assert r.returncode == 3, r
+        assert "smp: partition: 4 stages but only 2" in r.stdout, r
+
+
+def test_timeline_written(ranks, tmp_path):
+    path = tmp_path / "tl"
+    _run_env = {"SMP_TIMELINE": str(path)}
+    ranks(SCRIPT, 2, args=(json.dumps({"cfg": {"partitions": 2, "microbatches": 2}}),),
+          env=_run_env, timeout=180)
+    for r in range(2):
+        text = (tmp_path / f"tl.rank{r}.json").read_text()
+        events = json.loads(text if text.rstrip().endswith("]") else text + "]")
+        names = {e["name"] for e in events}
+        assert any(n.startswith("fwd") or n.startswith("call") for n in names), names

@@ -12,6 +12,7 @@
 
 #include "launcher/line_buffer.h"
 #include "launcher/net.h"
+#include "launcher/rank_process.h"
 #include "launcher/options.h"
 #include "launcher/session.h"
 #include "launcher/signals.h"
@@ -52,6 +53,9 @@ int run(int argc, char** argv) {
   }
   if (parsed.status != 0) return fail(kExitBadInput, parsed.error);
   const LaunchOptions& options = parsed.options;
+  char exe[4096];
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n > 0) add_smp_package_path(std::string(exe, static_cast<size_t>(n)), env);
   if (!options.log_dir.empty()) {
     std::string error = make_dirs(options.log_dir);
     if (!error.empty()) return fail(kExitBadInput, error);

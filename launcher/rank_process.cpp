@@ -40,6 +40,18 @@ EnvMap rank_environment(const EnvMap& base, const LaunchOptions& o, int local_ra
   return env;
 }
 
+std::string add_smp_package_path(const std::string& exe_path, EnvMap& env) {
+  std::string bin = exe_path.substr(0, exe_path.find_last_of('/'));
+  for (const char* rel : {"/../python", "/../lib/smp/python"}) {
+    std::string dir = bin + rel;
+    if (access((dir + "/smp/__init__.py").c_str(), R_OK) != 0) continue;
+    auto it = env.find("PYTHONPATH");
+    env["PYTHONPATH"] = it == env.end() || it->second.empty() ? dir : dir + ":" + it->second;
+    return dir;
+  }
+  return "";
+}
+
 pid_t spawn_rank(const std::vector<std::string>& argv, const EnvMap& env, int out_fd, int err_fd,
                  std::string* error) {
   // Build everything before fork: the child only calls async-signal-safe functions.

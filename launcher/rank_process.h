@@ -24,6 +24,12 @@ int usable_cores();
 EnvMap rank_environment(const EnvMap& base, const LaunchOptions& options, int local_rank,
                         int attempt, int master_port, int cores);
 
+// Prepends to PYTHONPATH in `env` the `smp` package that ships with the launcher at
+// `exe_path` (the build tree's <bin>/../python, or an install's <bin>/../lib/smp/python),
+// so `import smp` works in the ranks without setting PYTHONPATH by hand. Returns the
+// directory added, or "" when neither holds smp/__init__.py.
+std::string add_smp_package_path(const std::string& exe_path, EnvMap& env);
+
 // Global rank of a local rank.
 inline int global_rank(const LaunchOptions& o, int local_rank) {
   return o.node_rank * o.nproc_per_node + local_rank;

@@ -18,6 +18,7 @@ Failures: a module that raises on its owner is answered with an ERROR carrying t
 exception and its traceback; the step body raises it on the driver, which then sends
 ABORT to every pp rank, so every rank raises the same error and none hangs.
 """
+import contextlib
 import pickle
 import threading
 import traceback
@@ -107,6 +108,10 @@ _task = _Task()
 
 class Engine:
     """Per-process pipeline state: transport, owned modules, recorded calls."""
+
+    # Instrumentation (benchmarks): a factory of a context manager entered by every
+    # task thread around its work, e.g. to install saved-tensor hooks per thread.
+    task_context = None
 
     def __init__(self, model):
         self.model = model
@@ -234,7 +239,8 @@ class Engine:
                 self.p2p.acquire_token(self._priority(mb, backward))
                 try:
                     _task.backward = backward
-                    self.serve(msg)
+                    with self._task_context():
+                        self.serve(msg)
                 finally:
                     self.p2p.release_token()
         except Exception as exc:
@@ -243,6 +249,9 @@ class Engine:
             _task.mb = None
 
     # --- the step ---------------------------------------------------------------------
+
+    def _task_context(self):
+        return Engine.task_context() if Engine.task_context else contextlib.nullcontext()
 
     def run_step(self, fn, mb_inputs):
         """Runs one step; returns (per-microbatch results, whether backward ran) on
@@ -266,7 +275,7 @@ class Engine:
                 self.model._set_microbatch(mb)
                 self.p2p.acquire_token(self._priority(mb, False))
                 try:
-                    with timeline.span("microbatch", mb=mb):
+                    with timeline.span("microbatch", mb=mb), self._task_context():
                         results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])
                 except BaseException as exc:
                     if not errors:

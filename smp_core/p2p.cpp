@@ -27,8 +27,8 @@ constexpr int kTag = 7;
 // latency of a remote call on loopback (measured: ~115 us vs ~460 us round trip).
 //
 // Header, all int64: magic, total_bytes, mb, call_id, kind, meta_len, n_tensors, inline,
-// then per tensor: dtype, ndim, dims[kMaxDims].
-constexpr size_t kFixedWords = 8;
+// epoch, then per tensor: dtype, ndim, dims[kMaxDims].
+constexpr size_t kFixedWords = 9;
 constexpr size_t kWordsPerTensor = 2 + kMaxDims;
 constexpr int64_t kStagingBytes = 4 << 20;
 
@@ -49,14 +49,28 @@ struct P2PEngine::Impl {
   std::vector<c10::intrusive_ptr<c10d::Work>> recv_works;  // in flight, for abort
 
   std::mutex mu;  // guards everything below
-  std::condition_variable cv;
   std::deque<Message> mailbox;
+  // Note [Targeted wakeups]: every waiting task has its own condition variable, and a
+  // new message or a released token wakes only the tasks it concerns: with a dozen
+  // microbatch tasks per rank, waking all of them on every event costs real CPU.
+  struct MailWaiter {
+    int64_t mb, call_id;
+    uint32_t mask;
+    std::condition_variable cv;
+  };
+  std::vector<MailWaiter*> mail_waiters;
   std::string fatal;  // set when a receiver failed: every wait throws it
   bool stopping = false;
+  int64_t epoch = 0;  // current step (Note [Step epochs])
 
   // Compute token.
   bool token_held = false;
-  std::deque<std::pair<int64_t, uint64_t>> token_waiters;  // (priority, ticket)
+  struct TokenWaiter {
+    int64_t priority;
+    uint64_t ticket;
+    std::condition_variable cv;
+  };
+  std::vector<TokenWaiter*> token_waiters;
   uint64_t next_ticket = 0;
 
   Stats stats;
@@ -89,6 +103,7 @@ struct P2PEngine::Impl {
         m.kind = static_cast<int32_t>(w[4]);
         const int64_t meta_len = w[5], n = w[6];
         const bool inline_data = w[7] != 0;
+        m.epoch = w[8];
         int64_t offset = static_cast<int64_t>(kFixedWords + n * kWordsPerTensor) * 8;
         m.meta.assign(base + offset, meta_len);
         offset = align8(offset + meta_len);
@@ -109,20 +124,42 @@ struct P2PEngine::Impl {
         std::lock_guard<std::mutex> lock(mu);
         stats.messages_received++;
         stats.bytes_received += total;
-        mailbox.push_back(std::move(m));
-        cv.notify_all();
+        deliver_locked(std::move(m));
       }
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(mu);
       if (!stopping && fatal.empty())
         fatal = str_cat("smp: lost the pipeline connection to pp rank ", peer, " (on pp rank ",
                         rank, "): ", first_line(e.what()));
-      cv.notify_all();
+      for (auto* w : mail_waiters) w->cv.notify_one();
     }
   }
 
+  // Appends `m` and wakes the waiters it matches. Holds mu.
+  void deliver_locked(Message m) {
+    mailbox.push_back(std::move(m));
+    const Message& back = mailbox.back();
+    for (auto* w : mail_waiters)
+      if (matches(back, w->mb, w->call_id, w->mask)) w->cv.notify_one();
+  }
+
+  // Wakes the waiter that gets the token next. Holds mu.
+  void wake_token_locked() {
+    if (token_held || token_waiters.empty()) return;
+    best_token_waiter()->cv.notify_one();
+  }
+
+  TokenWaiter* best_token_waiter() {
+    TokenWaiter* best = token_waiters.front();
+    for (auto* w : token_waiters)
+      if (w->priority < best->priority ||
+          (w->priority == best->priority && w->ticket < best->ticket))
+        best = w;
+    return best;
+  }
+
   bool matches(const Message& m, int64_t mb, int64_t call_id, uint32_t mask) const {
-    if (!(mask & (1u << m.kind))) return false;
+    if (m.epoch != epoch || !(mask & (1u << m.kind))) return false;
     bool step_level = m.kind == kStepEnd || m.kind == kAbort;
     if (!step_level && mb != kAny && m.mb != mb) return false;
     return call_id == kAny || m.call_id == call_id;
@@ -130,17 +167,10 @@ struct P2PEngine::Impl {
 
   // Token helpers; `lock` holds mu.
   void acquire_locked(std::unique_lock<std::mutex>& lock, int64_t priority) {
-    uint64_t ticket = next_ticket++;
-    token_waiters.emplace_back(priority, ticket);
-    auto first = [&] {
-      auto best = token_waiters.begin();
-      for (auto it = token_waiters.begin(); it != token_waiters.end(); ++it)
-        if (it->first < best->first) best = it;
-      return best->second == ticket;
-    };
-    cv.wait(lock, [&] { return !token_held && first(); });
-    token_waiters.erase(std::find_if(token_waiters.begin(), token_waiters.end(),
-                                     [&](auto& w) { return w.second == ticket; }));
+    TokenWaiter me{priority, next_ticket++, {}};
+    token_waiters.push_back(&me);
+    me.cv.wait(lock, [&] { return !token_held && best_token_waiter() == &me; });
+    token_waiters.erase(std::find(token_waiters.begin(), token_waiters.end(), &me));
     token_held = true;
   }
 };
@@ -184,8 +214,8 @@ void P2PEngine::send(int dst, const Message& msg) {
     Message copy = msg;
     copy.src = impl_->rank;
     std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->mailbox.push_back(std::move(copy));
-    impl_->cv.notify_all();
+    copy.epoch = impl_->epoch;
+    impl_->deliver_locked(std::move(copy));
     return;
   }
   const int64_t n = static_cast<int64_t>(msg.tensors.size());
@@ -205,6 +235,10 @@ void P2PEngine::send(int dst, const Message& msg) {
   auto* w = reinterpret_cast<int64_t*>(base);
   w[0] = kMagic, w[1] = total, w[2] = msg.mb, w[3] = msg.call_id, w[4] = msg.kind;
   w[5] = meta_len, w[6] = n, w[7] = inline_data ? 1 : 0;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    w[8] = impl_->epoch;
+  }
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& t = tensors[i];
     int64_t* d = w + kFixedWords + i * kWordsPerTensor;
@@ -273,13 +307,20 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
   if (it == I.mailbox.end()) {
     if (yield_token && I.token_held) {
       I.token_held = false;
-      I.cv.notify_all();
+      I.wake_token_locked();
     } else {
       yield_token = false;  // not holding it: nothing to give back
     }
+    Impl::MailWaiter me{mb, call_id, kind_mask, {}};
+    I.mail_waiters.push_back(&me);
+    struct Unregister {
+      Impl& I;
+      Impl::MailWaiter* w;
+      ~Unregister() { I.mail_waiters.erase(std::find(I.mail_waiters.begin(), I.mail_waiters.end(), w)); }
+    } unregister{I, &me};
     while ((it = find()) == I.mailbox.end()) {
       if (!I.fatal.empty()) throw CommError(I.fatal + " while waiting for " + what);
-      if (I.cv.wait_until(lock, deadline) == std::cv_status::timeout && find() == I.mailbox.end())
+      if (me.cv.wait_until(lock, deadline) == std::cv_status::timeout && find() == I.mailbox.end())
         throw TimeoutError(str_cat("smp: timed out after ", I.timeout_s, " s waiting for ", what,
                                    " (pp rank ", I.rank, ")"));
     }
@@ -299,12 +340,19 @@ void P2PEngine::acquire_token(int64_t priority) {
 void P2PEngine::release_token() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->token_held = false;
-  impl_->cv.notify_all();
+  impl_->wake_token_locked();
 }
 
-void P2PEngine::clear_mailbox() {
+void P2PEngine::begin_step(int64_t epoch) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->mailbox.clear();
+  impl_->epoch = epoch;
+  auto& box = impl_->mailbox;
+  box.erase(std::remove_if(box.begin(), box.end(), [&](const Message& m) { return m.epoch < epoch; }),
+            box.end());
+  // Messages of this step that arrived early may now match someone already waiting.
+  for (auto* w : impl_->mail_waiters)
+    for (const auto& m : box)
+      if (impl_->matches(m, w->mb, w->call_id, w->mask)) w->cv.notify_one();
 }
 
 P2PEngine::Stats P2PEngine::stats() const {

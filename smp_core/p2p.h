@@ -48,6 +48,7 @@ constexpr int64_t kAny = -1;
 
 struct Message {
   int src = -1;          // pp rank of the sender
+  int64_t epoch = 0;     // the sender's step (set by send; see begin_step)
   int64_t mb = 0;        // microbatch (-1 for step-level messages)
   int64_t call_id = 0;   // unique per (sender, microbatch) call
   int32_t kind = 0;      // MsgKind
@@ -72,7 +73,7 @@ class P2PEngine {
   // Blocks until a message with microbatch `mb` (kAny: any), call id `call_id`
   // (kAny: any) and a kind in `kind_mask` (bit 1 << kind) is in the mailbox, removes
   // and returns it. Step-level kinds (kStepEnd, kAbort) match any `mb`; an abort is
-  // returned to every waiter (it stays until clear_mailbox()). With
+  // returned to every waiter (it stays until the next begin_step()). With
   // `yield_token`, the caller's compute token is released while waiting and
   // re-acquired with `priority` before returning. Throws TimeoutError naming `what`,
   // or CommError if a peer's connection broke.
@@ -86,8 +87,13 @@ class P2PEngine {
   void acquire_token(int64_t priority);
   void release_token();
 
-  // Drops undelivered messages of finished steps (between steps).
-  void clear_mailbox();
+  // Note [Step epochs]: every message carries the sender's step number. A rank may
+  // receive messages of the next step before it has finished the current one (the
+  // driver runs ahead), so messages are matched only within the current epoch: later
+  // ones wait in the mailbox, and begin_step(e) drops those of earlier steps (e.g. the
+  // leftovers of an aborted step). Every rank of the group calls begin_step with the
+  // same sequence of epochs.
+  void begin_step(int64_t epoch);
 
   // Per-message timing counters (for the timeline and profiling).
   struct Stats {

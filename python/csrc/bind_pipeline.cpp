@@ -37,6 +37,7 @@ void bind_pipeline(py::module_& m) {
            py::arg("mb"), py::arg("call_id"), py::arg("kind"), py::arg("meta") = py::bytes(),
            py::arg("tensors") = std::vector<at::Tensor>{})
       .def_readonly("src", &Message::src)
+      .def_readonly("epoch", &Message::epoch)
       .def_readonly("mb", &Message::mb)
       .def_readonly("call_id", &Message::call_id)
       .def_readonly("kind", &Message::kind)
@@ -58,7 +59,7 @@ void bind_pipeline(py::module_& m) {
            py::arg("what"), py::arg("yield_token") = false, py::arg("priority") = 0, release())
       .def("acquire_token", &P2PEngine::acquire_token, release())
       .def("release_token", &P2PEngine::release_token, release())
-      .def("clear_mailbox", &P2PEngine::clear_mailbox)
+      .def("begin_step", &P2PEngine::begin_step, py::arg("epoch"))
       .def("stats", &P2PEngine::stats);
 }
 

@@ -122,6 +122,7 @@ class Engine:
         self.counters = {}     # mb -> next call id
         self.lock = threading.Lock()
         self.num_mb = self.cfg.microbatches
+        self.epoch = 0
         self.fwd_done = set()  # microbatches whose forward finished ("simple")
         self.fwd_cond = threading.Condition()
 
@@ -259,6 +260,8 @@ class Engine:
         self.counters.clear()
         self.fwd_done = set()
         self.num_mb = len(mb_inputs)
+        self.epoch += 1
+        self.p2p.begin_step(self.epoch)  # Note [Step epochs] in smp_core/p2p.h
         if core.pp_rank() == 0:
             return self._drive(fn, mb_inputs)
         return self._serve_step(len(mb_inputs))
@@ -300,7 +303,6 @@ class Engine:
         for t in threads:
             t.join()
         self.records.clear()
-        self.p2p.clear_mailbox()
         if errors:
             raise errors[0]
         out = (results, self.model._backward_this_step)
@@ -322,7 +324,6 @@ class Engine:
             for t in threads:
                 t.join()
             self.records.clear()
-            self.p2p.clear_mailbox()
         if msg.kind == K.ABORT:
             _raise_remote(msg.meta)
         if errors:

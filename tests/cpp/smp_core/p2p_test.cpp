@@ -153,3 +153,34 @@ TEST(P2P, RecvYieldsTheTokenWhileWaiting) {
 
 }  // namespace
 }  // namespace smp
+
+namespace smp {
+namespace {
+
+// Note [Step epochs]: a message of the next step waits until the receiver begins that
+// step; leftovers of an earlier step are dropped when a new one begins.
+TEST(P2P, MessagesMatchOnlyWithinTheirStep) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
+    P2PEngine eng(pg, 5);
+    eng.begin_step(1);
+    if (r == 0) {
+      eng.send(1, make(0, 1, kRequest, "stale"));   // step 1, never received
+      eng.send(1, make(0, 2, kAbort, "abort 1"));   // step 1 abort, sticky
+      eng.recv(0, 9, bit(kResponse), "rank 1 moved on");  // sync point (step 1)
+      eng.begin_step(2);
+      eng.send(1, make(0, 1, kRequest, "fresh"));
+    } else {
+      EXPECT_EQ(eng.recv(0, kAny, bit(kAbort), "abort").meta, "abort 1");
+      eng.send(0, make(0, 9, kResponse, "ok"));
+      // Wait for rank 0's step-2 message to arrive while still in step 1.
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      eng.begin_step(2);
+      Message m = eng.recv(0, 1, bit(kRequest) | bit(kAbort), "fresh request");
+      EXPECT_EQ(m.meta, "fresh");
+      EXPECT_EQ(m.epoch, 2);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace smp

@@ -46,9 +46,15 @@ demo: build
 bench: build
 	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python $(PYTHON) bench/run_all.py
 
+# C++ headers, static libraries and CMake package (find_package(smp)) and bin/smprun to
+# PREFIX, then the Python packages `smp` and `smdistributed` into $(PYTHON)'s
+# site-packages for PREFIX (/usr/local -> /usr/local/lib/python3.X/dist-packages).
+# Re-running replaces the previous install. sudo only when PREFIX is not writable.
+INSTALL_SUDO = $(shell d="$(PREFIX)"; while [ ! -e "$$d" ]; do d=$$(dirname "$$d"); done; \
+                 [ -w "$$d" ] || echo $(SUDO))
 install: build
-	cmake --install $(BUILD_DIR)
-	$(PYTHON) tools/install_python.py $(BUILD_DIR)/python
+	$(INSTALL_SUDO) cmake --install $(BUILD_DIR) --prefix $(PREFIX)
+	$(INSTALL_SUDO) $(PYTHON) tools/install_python.py $(BUILD_DIR)/python --prefix $(PREFIX)
 
 clean:
 	rm -rf $(BUILD_DIR)

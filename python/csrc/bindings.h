@@ -6,4 +6,5 @@ namespace smp::python {
 void bind_core(pybind11::module_& m);       // config, topology, runtime, object comm
 void bind_partition(pybind11::module_& m);  // partition planner
 void bind_pipeline(pybind11::module_& m);   // p2p engine of the pipeline
+void bind_reducer(pybind11::module_& m);    // gradient reducer, GradBucket, comm hooks
 }  // namespace smp::python

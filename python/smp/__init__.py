@@ -7,6 +7,7 @@ import torch  # noqa: F401  (must precede smp._C: it registers torch's pybind11 
 
 from smp import _C
 from smp import amp
+from smp import ddp_comm_hooks
 from smp import model
 from smp.model import DistributedModel
 from smp.optimizer import DistributedOptimizer
@@ -25,6 +26,7 @@ from smp.core import (
 __version__ = "0.1.0"
 
 CommError = _C.CommError
+GradBucket = _C.GradBucket
 SMPTimeoutError = _C.SMPTimeoutError
 
 WORLD = CommGroup.WORLD
@@ -51,6 +53,6 @@ __all__ = [
     "MP_GROUP", "WORLD_RANK", "PP_RANK", "TP_RANK", "RDP_RANK", "DP_RANK", "MP_RANK",
     "barrier", "pp_barrier", "dp_barrier", "mp_barrier", "broadcast", "send",
     "recv_from", "allgather", "gather", "num_microbatches", "is_tracing", "amp",
-    "DistributedModel", "DistributedOptimizer", "StepOutput", "step", "partition", "model",
+    "DistributedModel", "DistributedOptimizer", "GradBucket", "ddp_comm_hooks", "StepOutput", "step", "partition", "model",
     "__version__",
 ]

@@ -1,0 +1,26 @@
+// Built-in hooks by name, for bindings and configuration: the names Python's
+// smp._C.BuiltinHook carries.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "smp_core/comm.h"
+#include "smp_core/grad_bucket.h"
+
+namespace smp::hooks {
+
+// "allreduce", "fp16_compress", "bf16_compress", "noop", "fp16_compress_wrapper",
+// "bf16_compress_wrapper".
+const std::vector<std::string>& builtin_hook_names();
+
+// Whether `name` is a wrapper (needs `inner`).
+bool is_wrapper(const std::string& name);
+
+// The hook called `name` over `state` (null: the reducer's group). Wrappers take
+// `inner` and ignore `state`; the others must get no `inner`. Throws ConfigError
+// naming the allowed names.
+CommHookPtr make_builtin_hook(const std::string& name, ProcessGroupPtr state = {},
+                              CommHookPtr inner = nullptr);
+
+}  // namespace smp::hooks

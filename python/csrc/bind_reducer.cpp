@@ -1,0 +1,283 @@
+// Bindings of the reducer: smp._C.Reducer, GradBucket, BuiltinHook and the built-in
+// hook objects, broadcast_coalesced. See docs/reducer.md ("Python API").
+//
+// GIL: the reducer runs comm hooks on its own thread; a Python hook takes the GIL
+// there. So every binding that may wait on communication (the constructor, finalize,
+// run_shadow_step, broadcast_coalesced, destruction) releases the GIL.
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "hooks/builtin.h"
+#include "smp_core/errors.h"
+#include "smp_core/grad_bucket.h"
+#include "smp_core/reducer.h"
+#include "smp_core/runtime.h"
+
+namespace py = pybind11;
+
+namespace smp::python {
+namespace {
+
+using release = py::call_guard<py::gil_scoped_release>;
+
+// A Python hook `hook(state, bucket) -> torch.futures.Future[Tensor]`.
+class PythonCommHook : public CommHook {
+ public:
+  PythonCommHook(py::object state, py::object hook)
+      : state_(std::move(state)), hook_(std::move(hook)) {
+    py::object qual = py::getattr(hook_, "__qualname__", py::none());
+    name_ = "python hook " + py::str(qual.is_none() ? py::repr(hook_) : qual).cast<std::string>();
+  }
+  ~PythonCommHook() override {
+    py::gil_scoped_acquire gil;
+    state_ = py::object();
+    hook_ = py::object();
+  }
+
+  FuturePtr run(GradBucket& bucket) override {
+    std::shared_ptr<GradBucket> b = bucket.weak_from_this().lock();
+    if (!b) b = std::make_shared<GradBucket>(bucket);
+    py::gil_scoped_acquire gil;
+    try {
+      py::object ret = hook_(state_, b);
+      try {
+        return ret.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+      } catch (const py::cast_error&) {
+        throw std::runtime_error(str_cat(
+            name_, " returned ", py::str(py::type::of(ret)).cast<std::string>(),
+            "; a comm hook must return a torch.futures.Future of the reduced tensor"));
+      }
+    } catch (py::error_already_set& e) {
+      throw std::runtime_error(e.what());  // the message, made while holding the GIL
+    }
+  }
+
+  at::Tensor result(GradBucket& bucket, const c10::IValue& value) override {
+    if (!value.isPyObject()) return CommHook::result(bucket, value);
+    py::gil_scoped_acquire gil;
+    auto obj = py::reinterpret_borrow<py::object>(value.toPyObject());
+    if ((py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) && py::len(obj) > 0)
+      obj = obj.cast<py::sequence>()[0];
+    if (!THPVariable_Check(obj.ptr()))
+      throw std::runtime_error(str_cat(
+          "the future of ", name_, " holds ", py::str(py::type::of(obj)).cast<std::string>(),
+          ", expected a Tensor (or a list whose first item is one)"));
+    return THPVariable_Unpack(obj.ptr());
+  }
+
+  std::string name() const override { return name_; }
+
+ private:
+  py::object state_, hook_;
+  std::string name_;
+};
+
+// A built-in hook as a Python object: callable like any hook, recognised by
+// Reducer.register_comm_hook, which then runs the C++ hook instead.
+struct BuiltinHook {
+  std::string name;  // one of hooks::builtin_hook_names()
+  py::object inner;  // wrappers: the wrapped hook (BuiltinHook or callable)
+};
+
+CommHookPtr to_comm_hook(const py::object& state, const py::object& hook);
+
+CommHookPtr builtin_to_comm_hook(const py::object& state, const BuiltinHook& bh) {
+  CommHookPtr inner = bh.inner.is_none() ? nullptr : to_comm_hook(state, bh.inner);
+  ProcessGroupPtr pg;
+  if (!hooks::is_wrapper(bh.name) && !state.is_none()) {
+    try {
+      pg = state.cast<ProcessGroupPtr>();
+    } catch (const py::cast_error&) {
+      throw ConfigError(str_cat("smp: built-in hook ", bh.name, "_hook takes a ProcessGroup or "
+                                "None as its state, not ",
+                                py::str(py::type::of(state)).cast<std::string>()));
+    }
+  }
+  return hooks::make_builtin_hook(bh.name, pg, inner);
+}
+
+CommHookPtr to_comm_hook(const py::object& state, const py::object& hook) {
+  if (py::isinstance<BuiltinHook>(hook)) return builtin_to_comm_hook(state, hook.cast<BuiltinHook&>());
+  if (!PyCallable_Check(hook.ptr()))
+    throw ConfigError(str_cat("smp: register_comm_hook: hook=",
+                              py::repr(hook).cast<std::string>(), " is not callable"));
+  return std::make_shared<PythonCommHook>(state, hook);
+}
+
+BuiltinHook make_builtin(const std::string& name, py::object inner) {
+  const auto& names = hooks::builtin_hook_names();
+  if (std::find(names.begin(), names.end(), name) == names.end())
+    hooks::make_builtin_hook(name);  // throws the ConfigError listing the names
+  if (hooks::is_wrapper(name) == inner.is_none())
+    throw ConfigError(hooks::is_wrapper(name)
+                          ? "smp: built-in hook '" + name + "' wraps another hook: pass inner="
+                          : "smp: built-in hook '" + name + "' takes no inner hook");
+  if (py::isinstance<py::str>(inner)) inner = py::cast(make_builtin(inner.cast<std::string>(), py::none()));
+  return BuiltinHook{name, std::move(inner)};
+}
+
+std::string display_name(const BuiltinHook& h) {
+  return hooks::is_wrapper(h.name) ? h.name : h.name + "_hook";
+}
+
+py::dict stats_dict(const ReducerStats& s) {
+  py::dict d;
+  d["steps"] = s.steps;
+  d["buckets"] = s.buckets;
+  d["copy_in_ms"] = s.copy_in_ms;
+  d["comm_ms"] = s.comm_ms;
+  d["wait_ms"] = s.wait_ms;
+  d["write_back_ms"] = s.write_back_ms;
+  d["unused_local"] = s.unused_local;
+  d["unused_global"] = s.unused_global;
+  d["rebuilt"] = s.rebuilt;
+  return d;
+}
+
+double default_timeout() { return is_initialized() ? runtime().config().timeout_s : 300.0; }
+
+}  // namespace
+
+void bind_reducer(py::module_& m) {
+  py::class_<GradBucket, std::shared_ptr<GradBucket>>(m, "GradBucket",
+      "One bucket of gradients, as a comm hook sees it (torch.distributed.GradBucket).")
+      .def("index", &GradBucket::index)
+      .def("buffer", &GradBucket::buffer)
+      .def("gradients", &GradBucket::gradients)
+      .def("is_last", &GradBucket::is_last)
+      .def("set_buffer", &GradBucket::set_buffer, py::arg("buffer"))
+      .def("parameters", &GradBucket::parameters)
+      .def("process_group", &GradBucket::process_group)
+      .def("is_shadow", &GradBucket::is_shadow)
+      .def("__repr__", [](const GradBucket& b) {
+        return str_cat("<smp.GradBucket ", b.index(), "/", b.bucket_count(), ": ",
+                       b.parameters().size(), " tensors, ", b.buffer().numel(), " elements>");
+      });
+
+  py::class_<BuiltinHook>(m, "BuiltinHook",
+      "A built-in comm hook run in C++. Callable as hook(state, bucket) -> Future; "
+      "Reducer.register_comm_hook recognises it and runs it without Python.")
+      .def(py::init(&make_builtin), py::arg("name"), py::arg("inner") = py::none())
+      .def_readonly("name", &BuiltinHook::name)
+      .def_readonly("inner", &BuiltinHook::inner)
+      // Like a function's: "allreduce_hook", "fp16_compress_wrapper" (a class cannot
+      // define these as properties: they would rename the type).
+      .def("__getattr__", [](const BuiltinHook& h, const std::string& attr) -> py::object {
+        if (attr == "__name__" || attr == "__qualname__") return py::str(display_name(h));
+        throw py::attribute_error("'smp._C.BuiltinHook' object has no attribute '" + attr + "'");
+      })
+      .def("__call__", [](const BuiltinHook& self, const py::object& state, const py::object& bucket) {
+        CommHookPtr hook = builtin_to_comm_hook(state, self);
+        auto b = bucket.cast<std::shared_ptr<GradBucket>>();
+        FuturePtr fut;
+        {
+          py::gil_scoped_release nogil;
+          fut = hook->run(*b);
+        }
+        auto out = fut->then(
+            [hook, b](c10::ivalue::Future& f) -> c10::IValue {
+              if (f.hasError()) std::rethrow_exception(f.exception_ptr());
+              return hook->result(*b, f.value());
+            },
+            c10::TensorType::get());
+        return std::make_shared<torch::jit::PythonFutureWrapper>(out);
+      }, py::arg("state"), py::arg("bucket"))
+      .def("__eq__", [](const BuiltinHook& a, const py::object& other) {
+        if (!py::isinstance<BuiltinHook>(other)) return false;
+        const auto& b = other.cast<const BuiltinHook&>();
+        return a.name == b.name && (a.inner.is_none() ? b.inner.is_none() : a.inner.equal(b.inner));
+      })
+      .def("__hash__", [](const BuiltinHook& h) {
+        py::object inner = h.inner.is_none() ? py::object(py::none()) : py::object(py::repr(h.inner));
+        return py::hash(py::make_tuple(h.name, inner));
+      })
+      .def("__repr__", [](const BuiltinHook& h) {
+        std::string s = "<smp built-in hook " + display_name(h);
+        if (!h.inner.is_none()) s += " of " + py::repr(h.inner).cast<std::string>();
+        return s + ">";
+      })
+      .def(py::pickle(
+          [](const BuiltinHook& h) { return py::make_tuple(h.name, h.inner); },
+          [](const py::tuple& t) {
+            return make_builtin(t[0].cast<std::string>(), t[1]);
+          }));
+
+  for (const char* name : {"allreduce", "fp16_compress", "bf16_compress", "noop"})
+    m.attr((std::string(name) + "_hook").c_str()) = make_builtin(name, py::none());
+  m.def("fp16_compress_wrapper", [](py::object hook) {
+    return make_builtin("fp16_compress_wrapper", std::move(hook));
+  }, py::arg("hook"), "Wraps `hook`: it runs on a float16 copy of the bucket.");
+  m.def("bf16_compress_wrapper", [](py::object hook) {
+    return make_builtin("bf16_compress_wrapper", std::move(hook));
+  }, py::arg("hook"), "Wraps `hook`: it runs on a bfloat16 copy of the bucket.");
+  m.def("builtin_hook_names", &hooks::builtin_hook_names);
+
+  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer",
+      "Averages the gradients of `params` across `process_group` in buckets (docs/reducer.md).")
+      .def(py::init([](std::vector<at::Tensor> params, const ProcessGroupPtr& pg,
+                       double bucket_cap_mb, bool gradient_as_bucket_view, bool overlapping,
+                       std::optional<std::vector<int64_t>> expected_order, double timeout_s,
+                       bool shared_memory) {
+             if (!(bucket_cap_mb > 0))
+               throw ConfigError(str_cat("smp: Reducer bucket_cap_mb=", bucket_cap_mb,
+                                         " must be > 0"));
+             ReducerOptions o;
+             o.bucket_cap_bytes = static_cast<size_t>(bucket_cap_mb * 1024 * 1024);
+             o.bucket_cap_bytes = std::max<size_t>(o.bucket_cap_bytes, 1);
+             o.gradient_as_bucket_view = gradient_as_bucket_view;
+             o.overlapping = overlapping;
+             if (expected_order) o.expected_order = *expected_order;
+             o.timeout_s = timeout_s;
+             o.shared_memory = shared_memory;
+             Reducer* r;
+             {
+               py::gil_scoped_release nogil;  // the constructor allgathers
+               r = new Reducer(std::move(params), pg, std::move(o));
+             }
+             return std::shared_ptr<Reducer>(r, [](Reducer* p) {
+               if (PyGILState_Check()) {
+                 py::gil_scoped_release nogil;  // the comm thread may need the GIL
+                 delete p;
+               } else {
+                 delete p;
+               }
+             });
+           }),
+           py::arg("params"), py::arg("process_group"), py::arg("bucket_cap_mb") = 25.0,
+           py::arg("gradient_as_bucket_view") = false, py::arg("overlapping") = true,
+           py::arg("expected_order") = py::none(), py::arg("timeout_s") = 300.0,
+           py::arg("shared_memory") = true)
+      .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("sync"),
+           py::arg("grad_scale") = 1.0, py::arg("outputs") = std::vector<at::Tensor>{},
+           release())
+      .def("finalize", [](Reducer& r) { r.finalize(); }, release())
+      .def("run_shadow_step", &Reducer::run_shadow_step, release())
+      .def("register_comm_hook", [](Reducer& r, const py::object& state, const py::object& hook) {
+        r.register_comm_hook(to_comm_hook(state, hook));
+      }, py::arg("state"), py::arg("hook"))
+      .def("register_builtin_hook", [](Reducer& r, const std::string& name, const py::object& state,
+                                       const py::object& inner) {
+        r.register_comm_hook(to_comm_hook(state, py::cast(make_builtin(name, inner))));
+      }, py::arg("name"), py::arg("state") = py::none(), py::arg("inner") = py::none())
+      .def("bucket_indices", &Reducer::bucket_indices)
+      .def("rebuilt", &Reducer::rebuilt)
+      .def("shared_memory", &Reducer::shared_memory)
+      .def("stats", [](const Reducer& r) { return stats_dict(r.stats()); })
+      .def_property_readonly("process_group", &Reducer::process_group);
+
+  m.def("broadcast_coalesced", [](const ProcessGroupPtr& pg, const std::vector<at::Tensor>& tensors,
+                                  int root, double bucket_cap_mb) {
+    double timeout = default_timeout();
+    py::gil_scoped_release nogil;
+    broadcast_coalesced(pg, tensors, root, static_cast<size_t>(bucket_cap_mb * 1024 * 1024),
+                        timeout);
+  }, py::arg("process_group"), py::arg("tensors"), py::arg("root") = 0,
+        py::arg("bucket_cap_mb") = 25.0,
+        "Broadcasts `tensors` in place from group rank `root`, flattened per dtype into "
+        "chunks of at most bucket_cap_mb.");
+}
+
+}  // namespace smp::python

@@ -1,0 +1,151 @@
+// Reducer: averages the gradients of one replica-local model part across a data-
+// parallel process group in buckets, overlapping communication with backward, like
+// torch DDP's reducer (which Debian's torch does not ship in usable form). See
+// docs/reducer.md for the full contract.
+//
+// One step, on every rank of the group, from one thread:
+//   prepare_for_backward(sync=false, ...) ; backward   (zero or more: grads accumulate)
+//   prepare_for_backward(sync=true, ...)  ; backward   (the last backward of the step)
+//   finalize()                                        (waits; writes .grad)
+// During a synchronized backward each gradient is scaled into its bucket when its
+// grad accumulator fires; a bucket is launched (handed to the comm hook on the comm
+// thread) once all its gradients are ready and every lower-indexed bucket was launched.
+//
+// Threads: prepare_for_backward/finalize/run_shadow_step from the training thread;
+// the grad-accumulator hooks run on autograd's thread; hooks run on the reducer's comm
+// thread (see Note [Ordered bucket communication] in comm_queue.h). When all ranks
+// share this host the buckets live in shared memory and the default path sums them
+// there (Note [Shared-memory bucket reduction]). A caller holding
+// Python's GIL must release it around finalize() and run_shadow_step(), because a
+// Python comm hook needs it on the comm thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "smp_core/comm.h"
+#include "smp_core/grad_bucket.h"
+
+namespace smp {
+
+// Bytes per bucket unless configured; torch DDP's default.
+constexpr size_t kDefaultBucketBytesCap = size_t{25} << 20;
+// Bytes of the first bucket of each dtype/device: small, so the first communication
+// starts early in backward (torch DDP's _DEFAULT_FIRST_BUCKET_BYTES).
+constexpr size_t kDefaultFirstBucketBytes = size_t{1} << 20;
+
+struct ReducerOptions {
+  // Bytes per gradient bucket; smaller overlaps more, costs more calls. A bucket is
+  // closed once it holds at least the cap, so its last tensor may overflow it (as in
+  // torch DDP); a tensor larger than the cap gets a bucket of its own.
+  size_t bucket_cap_bytes = kDefaultBucketBytesCap;
+  // Cap of the first bucket of each dtype/device (min with bucket_cap_bytes).
+  size_t first_bucket_bytes = kDefaultFirstBucketBytes;
+  // Make each param.grad a view of its bucket slice: no copy in or out.
+  bool gradient_as_bucket_view = false;
+  // Launch buckets during backward; false: launch them all in finalize().
+  bool overlapping = true;
+  // Parameter indices in the order their gradients are expected to become ready
+  // (a permutation of 0..n-1); empty: reverse registration order.
+  std::vector<int64_t> expected_order;
+  // Seconds any wait may take (hook futures, finalize).
+  double timeout_s = 300.0;
+  // Keep the buckets in a shared-memory segment and sum them there when every rank of
+  // the group runs on this host and no comm hook is registered (CPU tensors only);
+  // else the process group reduces them. SMP_REDUCER_SHM=0 turns it off.
+  bool shared_memory = true;
+  // Rebuild the buckets once, after the first synchronized step, in the order
+  // gradients actually became ready on dp rank 0, if that changes them.
+  bool rebuild_buckets = true;
+  // Names the group in errors ("dp").
+  std::string group_name = "dp";
+};
+
+// What the last finalize() saw. Times in milliseconds.
+struct ReducerStats {
+  int64_t steps = 0;            // synchronized steps finalized so far
+  int64_t buckets = 0;          // buckets of the last step
+  double copy_in_ms = 0;        // scaling grads into buckets (autograd thread)
+  double comm_ms = 0;           // comm thread: hooks until their futures completed
+  double wait_ms = 0;           // finalize() blocked on communication
+  double write_back_ms = 0;     // results into .grad
+  int64_t unused_local = 0;     // params without a gradient on this rank
+  int64_t unused_global = 0;    // params without a gradient on every rank
+  bool rebuilt = false;         // the buckets were rebuilt at the end of this step
+};
+
+class Reducer {
+ public:
+  // `params`: leaf tensors requiring grad, all distinct. Verifies across `pg` (an
+  // allgather: every member must construct its Reducer at the same point) that every
+  // rank holds the same count, shapes and dtypes and the same options; a mismatch
+  // throws CommError on every rank, naming the first differing parameter and ranks.
+  Reducer(std::vector<at::Tensor> params, ProcessGroupPtr pg, ReducerOptions options = {});
+  // Removes the autograd hooks; pending communication is dropped.
+  ~Reducer();
+
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Replaces the default (average by allreduce) with `hook`. Allowed once, before the
+  // first prepare_for_backward; else throws std::logic_error
+  // "smp: register_comm_hook must be called once, before the first step".
+  void register_comm_hook(CommHookPtr hook);
+
+  // Call before each backward. sync=false: gradients only accumulate in .grad.
+  // sync=true: this backward is the step's last; gradients are scaled by
+  // `grad_scale` into the buckets as they become ready. Parameters not reachable from
+  // `outputs`' autograd graph are ready at once with their current .grad (or zeros);
+  // empty `outputs` means every gradient is already final (backward has run).
+  void prepare_for_backward(bool sync, double grad_scale = 1.0,
+                            const std::vector<at::Tensor>& outputs = {});
+
+  // After the step's last backward: launches what is left, waits for every bucket,
+  // writes each parameter's .grad and reduces which parameters were used: one unused
+  // on every rank keeps its .grad (None stays None); one used on some rank gets the
+  // reduced gradient (ranks without it contributed zeros). Throws CommError /
+  // TimeoutError naming the bucket and group; after a failure the reducer is unusable.
+  ReducerStats finalize();
+
+  // Join: this rank has no data this step. Issues the same collectives as a real step
+  // (every bucket through the hook with zero buffers, the bitmap, the first step's
+  // rebuild broadcast); leaves .grad untouched.
+  void run_shadow_step();
+
+  // Parameter indices per bucket, in launch order.
+  std::vector<std::vector<int64_t>> bucket_indices() const;
+  // Whether the buckets were rebuilt from the observed gradient order.
+  bool rebuilt() const;
+  // Whether the buckets live in a shared-memory segment (ReducerOptions::shared_memory
+  // and every rank on this host); the default hook then sums them there.
+  bool shared_memory() const;
+  ReducerStats stats() const;
+  size_t num_params() const;
+  const ProcessGroupPtr& process_group() const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+// Splits `params` (indices into `tensors`, in `order`) into buckets: one running
+// bucket per (dtype, device); a bucket closes once it holds >= its cap (the first of
+// each key: min(first_bucket_bytes, bucket_cap_bytes)). Buckets are sorted by the
+// position of their first tensor in `order`.
+std::vector<std::vector<int64_t>> compute_bucket_assignment(
+    const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& order,
+    size_t bucket_cap_bytes, size_t first_bucket_bytes);
+
+// Broadcasts `tensors` in place from group rank `root`: flattened per dtype/device
+// into chunks of at most `bucket_bytes` (a larger tensor alone), one broadcast each.
+// Every member calls it with tensors of the same shapes, at the same point.
+void broadcast_coalesced(const ProcessGroupPtr& pg, const std::vector<at::Tensor>& tensors,
+                         int root, size_t bucket_bytes = kDefaultBucketBytesCap,
+                         double timeout_s = 300.0);
+
+}  // namespace smp

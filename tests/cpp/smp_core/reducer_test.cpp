@@ -1,0 +1,691 @@
+// Reducer, CommQueue, GradBucket and DistributedModel over real Gloo ranks (threads,
+// tests/cpp/common/gloo_world.h). Closed-form answers: rank r's gradients are r+1, so
+// the average is (n+1)/2.
+#include "smp_core/reducer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <atomic>
+#include <mutex>
+#include <numeric>
+
+#include "../common/gloo_world.h"
+#include "smp_core/comm_queue.h"
+#include "smp_core/distributed_model.h"
+#include "smp_core/errors.h"
+
+namespace smp {
+namespace {
+
+using testing::run_gloo_world;
+using Shapes = std::vector<std::vector<int64_t>>;
+
+std::vector<at::Tensor> make_params(const Shapes& shapes, at::ScalarType dtype = at::kFloat) {
+  std::vector<at::Tensor> ps;
+  for (const auto& s : shapes) ps.push_back(torch::randn(s, at::TensorOptions(dtype)).requires_grad_());
+  return ps;
+}
+
+// A loss whose gradient is `value` in every element of each parameter in `ps`.
+at::Tensor linear_loss(const std::vector<at::Tensor>& ps, double value) {
+  at::Tensor loss = torch::zeros({}, at::kDouble);
+  for (const auto& p : ps) loss = loss + (p * value).sum().to(at::kDouble);
+  return loss;
+}
+
+// One synchronized step: prepare, backward, finalize.
+ReducerStats step(Reducer& red, const at::Tensor& loss, double scale = 1.0) {
+  red.prepare_for_backward(true, scale, {loss});
+  loss.backward();
+  return red.finalize();
+}
+
+void expect_all(const at::Tensor& t, double v, double tol, const std::string& what) {
+  ASSERT_TRUE(t.defined()) << what << ": no gradient";
+  if (t.numel() == 0) return;
+  double lo = t.min().item<double>(), hi = t.max().item<double>();
+  EXPECT_NEAR(lo, v, tol) << what;
+  EXPECT_NEAR(hi, v, tol) << what;
+}
+
+void zero_grads(const std::vector<at::Tensor>& ps, bool set_to_none) {
+  for (auto p : ps) {
+    if (set_to_none) {
+      p.mutable_grad() = at::Tensor();
+    } else if (p.grad().defined()) {
+      p.mutable_grad().zero_();
+    }
+  }
+}
+
+// Records each bucket it sees, then averages it (divide, allreduce).
+class RecordingHook : public CommHook {
+ public:
+  struct Call {
+    size_t index, count;
+    bool last;
+    int64_t numel;
+    std::vector<std::vector<int64_t>> grad_shapes, param_shapes;
+    double sum;
+  };
+  FuturePtr run(GradBucket& b) override {
+    Call c{b.index(), b.bucket_count(), b.is_last(), b.buffer().numel(), {}, {},
+           b.buffer().to(at::kDouble).sum().item<double>()};
+    for (auto& g : b.gradients()) c.grad_shapes.push_back(g.sizes().vec());
+    for (auto& p : b.parameters()) c.param_shapes.push_back(p.sizes().vec());
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      calls.push_back(c);
+    }
+    at::Tensor buf = b.buffer();
+    buf.div_(b.process_group()->getSize());
+    std::vector<at::Tensor> v{buf};
+    return b.process_group()->allreduce(v)->getFuture();
+  }
+  std::string name() const override { return "recording"; }
+  std::mutex mu;
+  std::vector<Call> calls;
+};
+
+// --- bucket assignment (no processes) ----------------------------------------------
+
+TEST(BucketAssignment, CapFirstBucketAndReverseOrder) {
+  auto ps = make_params({{100}, {100}, {100}, {100}, {100}});  // 400 bytes each
+  std::vector<int64_t> reverse = {4, 3, 2, 1, 0};
+  // First bucket closes at >= 500 bytes (two tensors), the rest at >= 1000 (three).
+  EXPECT_EQ(compute_bucket_assignment(ps, reverse, 1000, 500),
+            (std::vector<std::vector<int64_t>>{{4, 3}, {2, 1, 0}}));
+  // A cap below one tensor: one bucket each; the first cap never exceeds the cap.
+  EXPECT_EQ(compute_bucket_assignment(ps, reverse, 1, 1 << 20),
+            (std::vector<std::vector<int64_t>>{{4}, {3}, {2}, {1}, {0}}));
+  // Everything fits: one bucket.
+  EXPECT_EQ(compute_bucket_assignment(ps, reverse, 1 << 20, 1 << 20),
+            (std::vector<std::vector<int64_t>>{{4, 3, 2, 1, 0}}));
+}
+
+TEST(BucketAssignment, ExpectedOrderAndDtypeSeparation) {
+  auto f = make_params({{10}, {10}, {10}});
+  auto d = make_params({{10}, {10}}, at::kDouble);
+  std::vector<at::Tensor> ps = {f[0], d[0], f[1], d[1], f[2]};
+  std::vector<int64_t> order = {2, 1, 0, 4, 3};
+  auto got = compute_bucket_assignment(ps, order, 1 << 20, 1 << 20);
+  // One bucket per dtype, ordered by the position of their first tensor in `order`.
+  EXPECT_EQ(got, (std::vector<std::vector<int64_t>>{{2, 0, 4}, {1, 3}}));
+  // A large tensor alone, closing the running bucket after it.
+  auto big = make_params({{10}, {1000}, {10}, {10}});
+  EXPECT_EQ(compute_bucket_assignment(big, {0, 1, 2, 3}, 400, 400),
+            (std::vector<std::vector<int64_t>>{{0, 1}, {2, 3}}));
+}
+
+// --- averaging ----------------------------------------------------------------------
+
+// Most tests run twice: buckets summed in shared memory (the ranks share this host)
+// and through the Gloo group.
+class ReducerPaths : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(Reducer, ReducerPaths, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? "SharedMemory" : "Gloo"; });
+
+TEST_P(ReducerPaths, AverageMatchesClosedFormAcrossWorldSizes) {
+  const Shapes shapes = {{3, 5}, {7}, {0}, {1}, {2, 2, 3}, {33}};
+  for (int n = 1; n <= 4; ++n) {
+    for (size_t cap : {size_t{1}, size_t{64}, kDefaultBucketBytesCap}) {
+      run_gloo_world(n, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+        auto ps = make_params(shapes);
+        ReducerOptions o;
+        o.bucket_cap_bytes = cap;
+        o.shared_memory = GetParam();
+        Reducer red(ps, pg, o);
+        EXPECT_EQ(red.shared_memory(), GetParam() && n > 1);
+        for (int s = 0; s < 3; ++s) {
+          zero_grads(ps, s % 2 == 0);
+          step(red, linear_loss(ps, r + 1));
+          for (size_t i = 0; i < ps.size(); ++i)
+            expect_all(ps[i].grad(), (n + 1) / 2.0, 1e-6,
+                       str_cat("n=", n, " cap=", cap, " step ", s, " param ", i));
+        }
+      });
+    }
+  }
+}
+
+TEST_P(ReducerPaths, GradScaleAndMixedDtypes) {
+  run_gloo_world(3, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto f = make_params({{4, 4}, {5}});
+    auto d = make_params({{6}}, at::kDouble);
+    std::vector<at::Tensor> ps = {f[0], d[0], f[1]};
+    ReducerOptions o;
+    o.shared_memory = GetParam();
+    Reducer red(ps, pg, o);
+    EXPECT_EQ(red.bucket_indices().size(), 2u);  // float and double buckets
+    step(red, linear_loss(ps, r + 1), 0.5);
+    for (size_t i = 0; i < ps.size(); ++i) expect_all(ps[i].grad(), 0.5 * 2.0, 1e-6, str_cat(i));
+  });
+}
+
+TEST(Reducer, NoSyncAccumulatesWithoutCommunication) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{8}, {3, 3}});
+    ReducerOptions o;
+    o.bucket_cap_bytes = 1;
+    Reducer red(ps, pg, o);
+    auto hook = std::make_shared<RecordingHook>();
+    red.register_comm_hook(hook);
+    for (int mb = 0; mb < 2; ++mb) {
+      auto loss = linear_loss(ps, r + 1);
+      red.prepare_for_backward(false, 1.0, {loss});
+      loss.backward();
+    }
+    EXPECT_TRUE(hook->calls.empty());
+    for (auto& p : ps) expect_all(p.grad(), 2.0 * (r + 1), 1e-6, "local accumulation");
+    step(red, linear_loss(ps, r + 1));
+    EXPECT_EQ(hook->calls.size(), 2u);
+    for (auto& p : ps) expect_all(p.grad(), 3.0 * 1.5, 1e-6, "average of the sums");
+  });
+}
+
+TEST(Reducer, OverlappingOffGivesTheSameResult) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{8}, {3, 3}, {5}});
+    ReducerOptions o;
+    o.bucket_cap_bytes = 1;
+    o.overlapping = false;
+    Reducer red(ps, pg, o);
+    for (int s = 0; s < 2; ++s) {
+      zero_grads(ps, true);
+      step(red, linear_loss(ps, r + 1));
+      for (auto& p : ps) expect_all(p.grad(), 1.5, 1e-6, "no overlap");
+    }
+  });
+}
+
+// --- hooks --------------------------------------------------------------------------
+
+TEST(Reducer, HookRunsOncePerBucketWithTheBucketsContents) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{4, 2}, {4}, {3}});
+    ReducerOptions o;
+    o.bucket_cap_bytes = 20;  // {3}: 12 B, then {4}+... : buckets [[2, 1], [0]]
+    o.first_bucket_bytes = 20;
+    Reducer red(ps, pg, o);
+    ASSERT_EQ(red.bucket_indices(), (std::vector<std::vector<int64_t>>{{2, 1}, {0}}));
+    auto hook = std::make_shared<RecordingHook>();
+    red.register_comm_hook(hook);
+    for (int s = 0; s < 3; ++s) {
+      zero_grads(ps, true);
+      step(red, linear_loss(ps, r + 1));
+    }
+    ASSERT_EQ(hook->calls.size(), 6u);
+    for (int s = 0; s < 3; ++s) {
+      const auto& a = hook->calls[2 * s];
+      const auto& b = hook->calls[2 * s + 1];
+      EXPECT_EQ(a.index, 0u);
+      EXPECT_EQ(b.index, 1u);
+      EXPECT_FALSE(a.last);
+      EXPECT_TRUE(b.last);
+      EXPECT_EQ(a.numel, 7);
+      EXPECT_EQ(a.param_shapes, (std::vector<std::vector<int64_t>>{{3}, {4}}));
+      EXPECT_EQ(a.grad_shapes, a.param_shapes);
+      EXPECT_EQ(b.param_shapes, (std::vector<std::vector<int64_t>>{{4, 2}}));
+      // A custom hook sees the raw local gradients (no averaging before it).
+      EXPECT_DOUBLE_EQ(a.sum, 7.0 * (r + 1));
+      EXPECT_DOUBLE_EQ(b.sum, 8.0 * (r + 1));
+    }
+    for (auto& p : ps) expect_all(p.grad(), 1.5, 1e-6, "hook average");
+  });
+}
+
+// The pattern torch's Gloo PowerSGD gets wrong (FACTS.md): the second collective of a
+// bucket is issued from the first one's completion callback on a Gloo thread. Through
+// the ordered queue, many buckets still pair up correctly on every rank.
+class ChainedCallbackHook : public CommHook {
+ public:
+  FuturePtr run(GradBucket& b) override {
+    auto pg = b.process_group();
+    at::Tensor buf = b.buffer();
+    auto out = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    std::vector<at::Tensor> v{buf};
+    pg->allreduce(v)->getFuture()->addCallback([pg, buf, out](c10::ivalue::Future&) {
+      buf.div_(pg->getSize() * pg->getSize());  // sum / n^2 ...
+      std::vector<at::Tensor> v2{buf};
+      pg->allreduce(v2)->getFuture()->addCallback([buf, out](c10::ivalue::Future& f) {
+        if (f.hasError()) {
+          out->setError(f.exception_ptr());
+        } else {
+          out->markCompleted(buf);  // ... summed again: the mean
+        }
+      });
+    });
+    return out;
+  }
+  std::string name() const override { return "chained-callback"; }
+};
+
+// The same two collectives issued in sequence from run() on the comm thread.
+class ChainedSyncHook : public CommHook {
+ public:
+  FuturePtr run(GradBucket& b) override {
+    auto pg = b.process_group();
+    at::Tensor buf = b.buffer();
+    std::vector<at::Tensor> v{buf};
+    wait_future(pg->allreduce(v)->getFuture(), 10, "first allreduce");
+    buf.div_(pg->getSize() * pg->getSize());
+    return pg->allreduce(v)->getFuture();
+  }
+  std::string name() const override { return "chained-sync"; }
+};
+
+TEST(Reducer, HooksChainingTwoCollectivesWithManyBuckets) {
+  for (int kind = 0; kind < 2; ++kind) {
+    run_gloo_world(3, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+      Shapes shapes;
+      for (int i = 0; i < 40; ++i) shapes.push_back({1 + (i * 37) % 300});
+      auto ps = make_params(shapes);
+      ReducerOptions o;
+      o.bucket_cap_bytes = 1;  // one bucket per parameter
+      Reducer red(ps, pg, o);
+      if (kind == 0) {
+        red.register_comm_hook(std::make_shared<ChainedCallbackHook>());
+      } else {
+        red.register_comm_hook(std::make_shared<ChainedSyncHook>());
+      }
+      for (int s = 0; s < 5; ++s) {
+        zero_grads(ps, s % 2 == 1);
+        step(red, linear_loss(ps, r + 1));
+        for (size_t i = 0; i < ps.size(); ++i)
+          expect_all(ps[i].grad(), 2.0, 1e-5, str_cat("kind ", kind, " step ", s, " param ", i));
+      }
+    });
+  }
+}
+
+TEST(Reducer, RegisterCommHookOnlyOnceBeforeTheFirstStep) {
+  run_gloo_world(1, [&](int, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{3}});
+    Reducer red(ps, pg);
+    red.register_comm_hook(std::make_shared<RecordingHook>());
+    try {
+      red.register_comm_hook(std::make_shared<RecordingHook>());
+      FAIL() << "second registration accepted";
+    } catch (const std::logic_error& e) {
+      EXPECT_STREQ(e.what(), "smp: register_comm_hook must be called once, before the first step");
+    }
+    Reducer red2(ps, pg);
+    step(red2, linear_loss(ps, 1));
+    EXPECT_THROW(red2.register_comm_hook(std::make_shared<RecordingHook>()), std::logic_error);
+  });
+}
+
+// A hook whose future never completes: finalize times out naming bucket and group, on
+// every rank; the reducer then refuses further steps.
+class NeverHook : public CommHook {
+ public:
+  FuturePtr run(GradBucket&) override {
+    return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+  }
+  std::string name() const override { return "never"; }
+};
+
+TEST(Reducer, HookTimeoutNamesBucketAndGroup) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{3}});
+    ReducerOptions o;
+    o.timeout_s = 0.3;
+    Reducer red(ps, pg, o);
+    red.register_comm_hook(std::make_shared<NeverHook>());
+    try {
+      step(red, linear_loss(ps, 1));
+      FAIL() << "finalize returned";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find(str_cat(
+                    "waiting for bucket 0 of 1 (comm hook 'never') on the dp process group "
+                    "(gloo, rank ", r, " of 2)")),
+                std::string::npos)
+          << e.what();
+    }
+    try {
+      red.prepare_for_backward(true, 1.0, {});
+      FAIL() << "a broken reducer accepted a step";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("unusable after an earlier failure"), std::string::npos);
+    }
+  });
+}
+
+// --- unused parameters ----------------------------------------------------------------
+
+TEST_P(ReducerPaths, UnusedParametersNeverHang) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{4}, {5}, {6}, {7}});  // 0: all, 1: rank 0 only, 2: none, 3: all
+    for (bool view : {false, true}) {
+      for (auto p : ps) p.mutable_grad() = at::Tensor();
+      ReducerOptions o;
+      o.bucket_cap_bytes = 1;
+      o.gradient_as_bucket_view = view;
+      o.shared_memory = GetParam();
+      Reducer red(ps, pg, o);
+      for (int s = 0; s < 3; ++s) {
+        zero_grads(ps, true);
+        std::vector<at::Tensor> used = {ps[0], ps[3]};
+        if (r == 0) used.push_back(ps[1]);
+        auto st = step(red, linear_loss(used, r + 1));
+        expect_all(ps[0].grad(), 1.5, 1e-6, "used everywhere");
+        expect_all(ps[3].grad(), 1.5, 1e-6, "used everywhere");
+        expect_all(ps[1].grad(), 0.5, 1e-6, "used on rank 0 only");  // (1 + 0) / 2
+        EXPECT_FALSE(ps[2].grad().defined()) << "unused everywhere must stay None";
+        EXPECT_EQ(st.unused_global, 1);
+        EXPECT_EQ(st.unused_local, r == 0 ? 1 : 2);
+      }
+    }
+  });
+}
+
+TEST(Reducer, EmptyOutputsMeanGradientsAreFinal) {
+  // The pipeline's way: backward ran before prepare_for_backward(sync=true, outputs={}).
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{4}, {5}});
+    Reducer red(ps, pg);
+    linear_loss(ps, r + 1).backward();
+    red.prepare_for_backward(true, 1.0, {});
+    red.finalize();
+    for (auto& p : ps) expect_all(p.grad(), 1.5, 1e-6, "final grads");
+  });
+}
+
+// --- gradient_as_bucket_view ------------------------------------------------------------
+
+TEST_P(ReducerPaths, GradientAsBucketViewAliasesTheBucket) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{4, 3}, {5}, {2}});
+    ReducerOptions o;
+    o.gradient_as_bucket_view = true;
+    o.shared_memory = GetParam();
+    // A gradient from before the reducer existed is copied into the bucket.
+    ps[1].mutable_grad() = torch::full({5}, 100.0);
+    Reducer red(ps, pg, o);
+    ASSERT_EQ(red.bucket_indices(), (std::vector<std::vector<int64_t>>{{2, 1, 0}}));
+    expect_all(ps[1].grad(), 100.0, 0, "copied into the bucket");
+    zero_grads(ps, false);
+    std::vector<void*> ptrs;
+    for (int s = 0; s < 4; ++s) {
+      // Alternate the two zero_grad flavours; set_to_none must be re-pointed.
+      zero_grads(ps, s % 2 == 1);
+      step(red, linear_loss(ps, r + 1));
+      for (auto& p : ps) expect_all(p.grad(), 1.5, 1e-6, str_cat("step ", s));
+      // Bucket order [2, 1, 0]: the grads sit back to back in one buffer.
+      auto* base = ps[2].grad().data_ptr<float>();
+      EXPECT_EQ(ps[1].grad().data_ptr<float>(), base + 2);
+      EXPECT_EQ(ps[0].grad().data_ptr<float>(), base + 7);
+      ptrs.push_back(base);
+    }
+    for (auto* p : ptrs) EXPECT_EQ(p, ptrs[0]) << "the bucket moved";
+    // libtorch's Optimizer::zero_grad detach_()es grads: they must not be autograd views.
+    torch::optim::SGD opt(ps, 0.1);
+    opt.zero_grad();
+    step(red, linear_loss(ps, r + 1));
+    EXPECT_EQ(ps[2].grad().data_ptr<float>(), ptrs[0]);
+  });
+}
+
+// --- rebuild ---------------------------------------------------------------------------
+
+TEST_P(ReducerPaths, RebuildFollowsRankZerosReadyOrder) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    const int n = 6;
+    auto ps = make_params(Shapes(n, {4}));
+    ReducerOptions o;
+    o.bucket_cap_bytes = 1;
+    o.shared_memory = GetParam();
+    o.expected_order = {0, 1, 2, 3, 4, 5};  // wrong: gradients arrive in another order
+    Reducer red(ps, pg, o);
+    // A chain h = x * p[c0] * p[c1] ...: gradients become ready from the last factor
+    // back. The ranks chain in different orders; rank 0's order must win on both.
+    std::vector<int> chain = r == 0 ? std::vector<int>{1, 3, 5, 0, 2, 4}
+                                    : std::vector<int>{5, 4, 3, 2, 1, 0};
+    for (int s = 0; s < 3; ++s) {
+      zero_grads(ps, true);
+      at::Tensor h = torch::ones({4});
+      for (int c : chain) h = h * ps[c];
+      auto loss = h.sum();
+      // Expected: the mean over ranks of the local gradients.
+      auto local = torch::autograd::grad({loss}, ps, {}, /*retain_graph=*/true);
+      std::vector<at::Tensor> mean;
+      for (auto& g : local) {
+        std::vector<at::Tensor> v{g.clone()};
+        pg->allreduce(v)->wait();
+        mean.push_back(v[0] / 2);
+      }
+      step(red, loss);
+      for (int i = 0; i < n; ++i)
+        EXPECT_TRUE(torch::allclose(ps[i].grad(), mean[i], 1e-5, 1e-6)) << "step " << s << " param " << i;
+      if (s == 0) {
+        EXPECT_TRUE(red.rebuilt());
+        EXPECT_TRUE(red.stats().rebuilt);
+        EXPECT_EQ(red.bucket_indices(),
+                  (std::vector<std::vector<int64_t>>{{4}, {2}, {0}, {5}, {3}, {1}}));
+      } else {
+        EXPECT_FALSE(red.stats().rebuilt);  // once only
+      }
+    }
+  });
+}
+
+TEST(Reducer, NoRebuildWhenTheOrderWasRight) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params(Shapes(4, {4}));
+    ReducerOptions o;
+    o.bucket_cap_bytes = 1;
+    Reducer red(ps, pg, o);  // reverse registration: right for a forward chain
+    auto before = red.bucket_indices();
+    at::Tensor h = torch::ones({4});
+    for (auto& p : ps) h = h * p;
+    step(red, h.sum() * (r + 1));
+    EXPECT_FALSE(red.rebuilt());
+    EXPECT_EQ(red.bucket_indices(), before);
+  });
+}
+
+// --- cross-rank verification -------------------------------------------------------------
+
+TEST(Reducer, ShapeMismatchThrowsOnEveryRank) {
+  std::atomic<int> raised{0};
+  run_gloo_world(3, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    Shapes shapes = {{2}, {4, 8}, {3}};
+    if (r == 2) shapes[1] = {4, 9};
+    auto ps = make_params(shapes);
+    try {
+      Reducer red(ps, pg);
+      ADD_FAILURE() << "rank " << r << " built a reducer";
+    } catch (const CommError& e) {
+      EXPECT_STREQ(e.what(),
+                   "smp: Reducer: parameter 1 is Float[4, 8] on dp rank 0 but Float[4, 9] on "
+                   "dp rank 2 (every rank must pass the same parameters in the same order)");
+      ++raised;
+    }
+  });
+  EXPECT_EQ(raised.load(), 3);
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params(r == 0 ? Shapes{{2}, {3}} : Shapes{{2}});
+    try {
+      Reducer red(ps, pg);
+      ADD_FAILURE() << "rank " << r << " built a reducer";
+    } catch (const CommError& e) {
+      EXPECT_STREQ(e.what(),
+                   "smp: Reducer: dp rank 0 has 2 parameters but dp rank 1 has 1 (every rank "
+                   "must pass the same parameters in the same order)");
+    }
+  });
+}
+
+TEST(Reducer, RejectsBadParameters) {
+  run_gloo_world(1, [&](int, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{2}});
+    EXPECT_THROW(Reducer({ps[0], ps[0]}, pg), ConfigError);
+    EXPECT_THROW(Reducer({torch::ones({2})}, pg), ConfigError);
+    ReducerOptions o;
+    o.expected_order = {1};
+    EXPECT_THROW(Reducer(ps, pg, o), ConfigError);
+  });
+}
+
+// --- Join shadow step --------------------------------------------------------------------
+
+TEST_P(ReducerPaths, ShadowStepMatchesAPeersCollectives) {
+  for (bool custom_hook : {true, false}) {
+    for (bool view : {false, true}) {
+      run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+        auto ps = make_params({{3}, {5}, {7}});
+        ReducerOptions o;
+        o.bucket_cap_bytes = 1;
+        o.shared_memory = GetParam();
+        o.gradient_as_bucket_view = view;
+        Reducer red(ps, pg, o);
+        if (custom_hook) red.register_comm_hook(std::make_shared<ChainedCallbackHook>());
+        for (int s = 0; s < 3; ++s) {
+          if (r == 1 && s >= 1) {
+            // Rank 1 ran out of data: zeros, the same collectives, its .grad untouched.
+            red.run_shadow_step();
+            for (auto& p : ps) expect_all(p.grad(), 1.5, 1e-6, "shadow rank keeps its grads");
+            continue;
+          }
+          zero_grads(ps, true);
+          step(red, linear_loss(ps, r + 1));
+          for (auto& p : ps)
+            expect_all(p.grad(), s == 0 ? 1.5 : 0.5, 1e-6,
+                       str_cat("hook ", custom_hook, " view ", view, " step ", s));
+        }
+      });
+    }
+  }
+}
+
+TEST(Reducer, SharedMemoryPeerThatNeverArrivesTimesOut) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{3}});
+    ReducerOptions o;
+    o.timeout_s = 0.3;
+    Reducer red(ps, pg, o);
+    ASSERT_TRUE(red.shared_memory());
+    if (r == 1) return;  // never steps
+    try {
+      step(red, linear_loss(ps, 1));
+      FAIL() << "finalize returned";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "waiting for bucket 0 of 1 (shared memory) on the dp process group (gloo, "
+                    "rank 0 of 2): rank(s) 1 did not reach it"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+// --- CommQueue ------------------------------------------------------------------------
+
+TEST(CommQueue, RunsInOrderAndFailsLaterTasksAfterAnError) {
+  CommQueue q("test");
+  std::vector<int> seen;
+  std::vector<CommQueue::TicketPtr> ts;
+  for (int i = 0; i < 50; ++i) ts.push_back(q.submit(str_cat("task ", i), [&, i] { seen.push_back(i); }));
+  for (auto& t : ts) q.wait(t, 5);
+  std::vector<int> want(50);
+  std::iota(want.begin(), want.end(), 0);
+  EXPECT_EQ(seen, want);
+  auto bad = q.submit("bad task", [] { throw CommError("smp: boom"); });
+  auto later = q.submit("later task", [&] { seen.push_back(-1); });
+  EXPECT_THROW(q.wait(bad, 5), CommError);
+  try {
+    q.wait(later, 5);
+    FAIL();
+  } catch (const CommError& e) {
+    EXPECT_STREQ(e.what(), "smp: later task was not run: an earlier communication task on test "
+                           "failed (smp: boom)");
+  }
+  EXPECT_EQ(seen.back(), 49);
+  CommQueue q2("test2");
+  auto slow = q2.submit("slow task", [] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); });
+  try {
+    q2.wait(slow, 0.05);
+    FAIL();
+  } catch (const TimeoutError& e) {
+    EXPECT_STREQ(e.what(), "smp: timed out after 0.05 s waiting for slow task on test2");
+  }
+}
+
+// --- broadcast_coalesced and DistributedModel --------------------------------------------
+
+TEST(BroadcastCoalesced, CopiesRootsTensorsInPlace) {
+  run_gloo_world(3, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    std::vector<at::Tensor> ts = {torch::full({3, 3}, r + 1.0), torch::full({5}, r + 10.0, at::kDouble),
+                                  torch::full({0}, 1.0), torch::full({200}, r * 2.0),
+                                  torch::full({2}, r + 1.0).requires_grad_()};
+    auto t4 = ts[3].narrow(0, 0, 100);  // non-contiguous-free view, but not the whole storage
+    broadcast_coalesced(pg, ts, 1, /*bucket_bytes=*/64, 10);
+    expect_all(ts[0], 2.0, 0, "float");
+    expect_all(ts[1], 11.0, 0, "double");
+    expect_all(ts[3], 2.0, 0, "large");
+    expect_all(ts[4], 2.0, 0, "requires_grad leaf");
+    expect_all(t4, 2.0, 0, "alias");
+  });
+}
+
+TEST(DistributedModel, MatchesOneProcessOnTheWholeBatch) {
+  // Threads share torch's default generator: draw everything here, up front.
+  const int n = 2, steps = 4;
+  auto gen = at::detail::createCPUGenerator(3);
+  auto make_net = [&] {
+    auto net = torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Tanh(),
+                                     torch::nn::Linear(16, 3));
+    torch::NoGradGuard g;
+    for (auto& p : net->parameters()) p.copy_(torch::randn(p.sizes(), gen) * 0.3);
+    return net;
+  };
+  std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> data(steps);
+  for (int s = 0; s < steps; ++s)
+    for (int r = 0; r < n; ++r)
+      data[s].emplace_back(torch::randn({8, 6}, gen), torch::randn({8, 3}, gen));
+  auto ref = make_net();
+  std::vector<at::Tensor> initial;
+  for (auto& p : ref->parameters()) initial.push_back(p.detach().clone());
+  // Reference: one process, both ranks' batches at once.
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  for (int s = 0; s < steps; ++s) {
+    auto x = torch::cat({data[s][0].first, data[s][1].first});
+    auto y = torch::cat({data[s][0].second, data[s][1].second});
+    torch::mse_loss(ref->forward(x), y).backward();
+    ref_opt.step();
+    ref_opt.zero_grad();
+  }
+  for (bool view : {false, true}) {
+    std::vector<std::vector<at::Tensor>> finals(n);
+    std::vector<torch::nn::Sequential> nets = {make_net(), make_net()};  // they differ
+    {
+      torch::NoGradGuard g;
+      for (size_t i = 0; i < initial.size(); ++i) nets[0]->parameters()[i].copy_(initial[i]);
+    }
+    run_gloo_world(n, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+      auto net = nets[r];
+      DistributedModelOptions o;
+      o.gradient_as_bucket_view = view;
+      o.bucket_cap_bytes = 200;
+      DistributedModel model(net.ptr(), o, pg);  // the first forward broadcasts rank 0's
+      torch::optim::SGD opt(net->parameters(), 0.1);
+      for (int s = 0; s < steps; ++s) {
+        model.backward(torch::mse_loss(model(data[s][r].first), data[s][r].second));
+        opt.step();
+        opt.zero_grad();
+      }
+      for (auto& p : net->parameters()) finals[r].push_back(p.detach().clone());
+    });
+    auto want = ref->parameters();
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < want.size(); ++i)
+        EXPECT_TRUE(torch::allclose(finals[r][i], want[i], 1e-5, 1e-6))
+            << "view=" << view << " rank " << r << " param " << i;
+  }
+}
+
+}  // namespace
+}  // namespace smp

@@ -127,7 +127,7 @@ def init(config=None):
     if state.initialized:
         return
     raw = _config_text(config)
-    rank = _env_int("RANK", 0) if "RANK" in os.environ else 0
+    rank = _env_int("RANK", 0)
     world = _env_int("WORLD_SIZE", 1) if "RANK" in os.environ else 1
     local_rank = _env_int("LOCAL_RANK", rank)
     local_size = _env_int("LOCAL_WORLD_SIZE", world)

@@ -103,6 +103,7 @@ class DistributedModel(torch.nn.Module):
         self._sync_backward = False
         self._synced_this_step = False
         self._first_use_order = None
+        self._record_handles = ()
         self._engine = None
         self._plan = None
         self._owner = None          # module name -> pp rank (after partitioning)
@@ -309,7 +310,7 @@ class DistributedModel(torch.nn.Module):
         self._record_handles = handles
 
     def _stop_recording(self):
-        for h in getattr(self, "_record_handles", ()):
+        for h in self._record_handles:
             h.remove()
         self._record_handles = ()
 

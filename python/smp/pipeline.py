@@ -26,6 +26,7 @@ import traceback
 import torch
 
 from smp import _C, core
+from smp.step import same_sequence
 from smp.timeline import timeline
 
 __all__ = []
@@ -61,8 +62,7 @@ def flatten(value, tensors):
         tensors.append(value)
         return _TensorSlot(len(tensors) - 1)
     if isinstance(value, (list, tuple)):
-        items = [flatten(v, tensors) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return same_sequence(value, [flatten(v, tensors) for v in value])
     if isinstance(value, dict):
         return type(value)((k, flatten(v, tensors)) for k, v in value.items())
     return value
@@ -72,8 +72,7 @@ def unflatten(skeleton, tensors):
     if isinstance(skeleton, _TensorSlot):
         return tensors[skeleton.index]
     if isinstance(skeleton, (list, tuple)):
-        items = [unflatten(v, tensors) for v in skeleton]
-        return type(skeleton)(*items) if hasattr(skeleton, "_fields") else type(skeleton)(items)
+        return same_sequence(skeleton, [unflatten(v, tensors) for v in skeleton])
     if isinstance(skeleton, dict):
         return type(skeleton)((k, unflatten(v, tensors)) for k, v in skeleton.items())
     return skeleton
@@ -232,10 +231,8 @@ class Engine:
             while True:
                 msg = self.p2p.recv(mb, _C.ANY, mask, f"work for microbatch {mb} from the "
                                     "pipeline driver (pp rank 0)")
-                if msg.kind == K.MICROBATCH_DONE:
-                    return
-                if msg.kind == K.ABORT:
-                    return
+                if msg.kind in (K.MICROBATCH_DONE, K.ABORT):
+                    return  # an abort is raised by the rank's main thread
                 backward = msg.kind == K.BACKWARD_REQUEST
                 self.p2p.acquire_token(self._priority(mb, backward))
                 try:

@@ -49,6 +49,11 @@ class StepOutput:
         return f"StepOutput({self.outputs!r})"
 
 
+def same_sequence(template, items):
+    """A list/tuple of `template`'s type (namedtuples too) holding `items`."""
+    return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
+
+
 def _split_tensor(t, num_mb, axis, where):
     if t.dim() == 0:
         return [t] * num_mb  # scalars go whole to every microbatch
@@ -71,8 +76,7 @@ def split_value(value, num_mb, axis, where):
         return [value.smp_slice(num_mb, mb, axis) for mb in range(num_mb)]
     if isinstance(value, (list, tuple)):
         parts = [split_value(v, num_mb, axis, f"{where}[{i}]") for i, v in enumerate(value)]
-        make = (lambda xs: type(value)(*xs)) if hasattr(value, "_fields") else type(value)
-        return [make([p[mb] for p in parts]) for mb in range(num_mb)]
+        return [same_sequence(value, [p[mb] for p in parts]) for mb in range(num_mb)]
     if isinstance(value, dict):
         parts = {k: split_value(v, num_mb, axis, f"{where}[{k!r}]") for k, v in value.items()}
         return [type(value)((k, parts[k][mb]) for k in value) for mb in range(num_mb)]
@@ -114,8 +118,8 @@ def collect_outputs(per_mb, detach):
     if isinstance(first, torch.Tensor):
         return StepOutput([o.detach() if detach else o for o in per_mb])
     if isinstance(first, (list, tuple)) and not isinstance(first, str):
-        cols = [collect_outputs([o[i] for o in per_mb], detach) for i in range(len(first))]
-        return type(first)(*cols) if hasattr(first, "_fields") else type(first)(cols)
+        return same_sequence(first, [collect_outputs([o[i] for o in per_mb], detach)
+                                     for i in range(len(first))])
     if isinstance(first, dict):
         return type(first)((k, collect_outputs([o[k] for o in per_mb], detach)) for k in first)
     if first is None:

@@ -6,47 +6,44 @@
 #include <mutex>
 #include <thread>
 
-#include <torch/torch.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "smp_core/comm.h"
+#include "smp_core/detail/tcp_mesh.h"
 #include "smp_core/errors.h"
 
 namespace smp {
 namespace {
 
-constexpr int64_t kMagic = 0x736d7031;  // "smp1"
+constexpr int64_t kMagic = 0x736d7032;  // "smp2"
 constexpr int kMaxDims = 8;
-constexpr int kTag = 7;
 
-// Note [Wire format]: a message is ONE Gloo send of a byte buffer when it fits the
-// receiver's staging buffer (kStagingBytes): header words, meta bytes, then every
-// tensor's bytes at 8-byte aligned offsets. Gloo accepts a message shorter than the
-// posted receive, so the receiver always posts the full staging buffer and reads the
-// real length from the header. A larger message sends the header alone (inline = 0)
-// followed by one send per tensor. One send per message instead of three halves the
-// latency of a remote call on loopback (measured: ~115 us vs ~460 us round trip).
+// Note [Wire format]: a message is ONE gathered write on the peer's socket: kFixedWords
+// header words, then per tensor kWordsPerTensor descriptor words, then the meta bytes,
+// then each tensor's bytes (contiguous, no padding). The receiver reads the header,
+// then the descriptors and meta, then each tensor's bytes directly into a new tensor.
+// A header with total_bytes 0 says the sender's engine is shutting down.
 //
-// Header, all int64: magic, total_bytes, mb, call_id, kind, meta_len, n_tensors, inline,
-// epoch, then per tensor: dtype, ndim, dims[kMaxDims].
+// Header, all int64: magic, total_bytes, mb, call_id, kind, meta_len, n_tensors, epoch,
+// reserved; per tensor: dtype, ndim, dims[kMaxDims].
 constexpr size_t kFixedWords = 9;
 constexpr size_t kWordsPerTensor = 2 + kMaxDims;
-constexpr int64_t kStagingBytes = 4 << 20;
-
-int64_t align8(int64_t n) { return (n + 7) & ~int64_t{7}; }
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 }  // namespace
 
 struct P2PEngine::Impl {
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
   double timeout_s;
   int rank, size;
 
+  std::vector<int> fds;                              // one socket per peer (-1: self)
   std::vector<std::unique_ptr<std::mutex>> send_mu;  // one per peer
   std::vector<std::thread> receivers;
-  std::mutex recv_works_mu;
-  std::vector<c10::intrusive_ptr<c10d::Work>> recv_works;  // in flight, for abort
 
   std::mutex mu;  // guards everything below
   std::deque<Message> mailbox;
@@ -65,6 +62,7 @@ struct P2PEngine::Impl {
 
   // Compute token.
   bool token_held = false;
+  std::chrono::steady_clock::time_point token_since;
   struct TokenWaiter {
     int64_t priority;
     uint64_t ticket;
@@ -75,50 +73,41 @@ struct P2PEngine::Impl {
 
   Stats stats;
 
-  void wait_recv(c10::intrusive_ptr<c10d::Work> work) {
-    {
-      std::lock_guard<std::mutex> lock(recv_works_mu);
-      recv_works.push_back(work);
-    }
-    work->wait();
-    std::lock_guard<std::mutex> lock(recv_works_mu);
-    recv_works.erase(std::find(recv_works.begin(), recv_works.end(), work));
-  }
-
   void receive_loop(int peer) {
+    const int fd = fds[peer];
     try {
-      auto staging = at::empty({kStagingBytes}, at::kByte);
-      const auto* base = static_cast<const char*>(staging.data_ptr());
-      const auto* w = reinterpret_cast<const int64_t*>(base);
       while (true) {
-        std::vector<at::Tensor> buf = {staging};
-        wait_recv(pg->recv(buf, peer, kTag));
+        int64_t w[kFixedWords];
+        if (!detail::read_exact(fd, w, sizeof w))
+          throw CommError("the connection was closed");
         SMP_CHECK(w[0] == kMagic, "p2p: bad message header from pp rank ", peer);
         const int64_t total = w[1];
-        if (total == 0) return;  // peer's engine is shutting down
+        if (total == 0) {  // the peer's engine is shutting down: nothing more will come
+          std::lock_guard<std::mutex> lock(mu);
+          if (!stopping && fatal.empty())
+            fatal = str_cat("smp: pp rank ", peer, " closed its pipeline engine (seen on pp rank ",
+                            rank, ")");
+          for (auto* w : mail_waiters) w->cv.notify_one();
+          return;
+        }
         Message m;
         m.src = peer;
         m.mb = w[2];
         m.call_id = w[3];
         m.kind = static_cast<int32_t>(w[4]);
         const int64_t meta_len = w[5], n = w[6];
-        const bool inline_data = w[7] != 0;
-        m.epoch = w[8];
-        int64_t offset = static_cast<int64_t>(kFixedWords + n * kWordsPerTensor) * 8;
-        m.meta.assign(base + offset, meta_len);
-        offset = align8(offset + meta_len);
+        m.epoch = w[7];
+        std::vector<int64_t> desc(static_cast<size_t>(n) * kWordsPerTensor);
+        m.meta.resize(static_cast<size_t>(meta_len));
+        if (!desc.empty()) detail::read_exact(fd, desc.data(), desc.size() * 8);
+        if (meta_len) detail::read_exact(fd, m.meta.data(), m.meta.size());
         for (int64_t i = 0; i < n; ++i) {
-          const int64_t* t = w + kFixedWords + i * kWordsPerTensor;
+          const int64_t* t = desc.data() + i * kWordsPerTensor;
+          SMP_CHECK(t[1] >= 0 && t[1] <= kMaxDims, "p2p: bad tensor descriptor from pp rank ", peer);
           std::vector<int64_t> dims(t + 2, t + 2 + t[1]);
           auto tensor = at::empty(dims, at::TensorOptions().dtype(static_cast<at::ScalarType>(t[0])));
-          const int64_t nbytes = tensor.numel() * static_cast<int64_t>(tensor.element_size());
-          if (inline_data) {
-            if (nbytes) std::memcpy(tensor.data_ptr(), base + offset, nbytes);
-            offset = align8(offset + nbytes);
-          } else if (nbytes) {
-            std::vector<at::Tensor> one = {tensor};
-            wait_recv(pg->recv(one, peer, kTag));
-          }
+          const auto nbytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+          if (nbytes) detail::read_exact(fd, tensor.data_ptr(), nbytes);
           m.tensors.push_back(std::move(tensor));
         }
         std::lock_guard<std::mutex> lock(mu);
@@ -172,36 +161,61 @@ struct P2PEngine::Impl {
     me.cv.wait(lock, [&] { return !token_held && best_token_waiter() == &me; });
     token_waiters.erase(std::find(token_waiters.begin(), token_waiters.end(), &me));
     token_held = true;
+    token_since = std::chrono::steady_clock::now();
+  }
+
+  void release_locked() {
+    token_held = false;
+    stats.token_held_s +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - token_since).count();
+    wake_token_locked();
   }
 };
 
-P2PEngine::P2PEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, double timeout_s)
+P2PEngine::P2PEngine(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank,
+                     int size, double timeout_s, const std::string& master_addr)
     : impl_(std::make_unique<Impl>()) {
-  impl_->pg = std::move(pg);
-  impl_->timeout_s = timeout_s;
-  impl_->rank = impl_->pg->getRank();
-  impl_->size = impl_->pg->getSize();
-  for (int r = 0; r < impl_->size; ++r) impl_->send_mu.push_back(std::make_unique<std::mutex>());
-  for (int r = 0; r < impl_->size; ++r)
-    if (r != impl_->rank) impl_->receivers.emplace_back([this, r] { impl_->receive_loop(r); });
+  auto& I = *impl_;
+  SMP_CHECK(size >= 1 && rank >= 0 && rank < size, "p2p: rank ", rank, " outside a group of ", size);
+  I.timeout_s = timeout_s;
+  I.rank = rank;
+  I.size = size;
+  I.fds.assign(size, -1);
+  if (size > 1) {
+    detail::Listener listener;
+    const char* forced = std::getenv("SMP_P2P_ADDR");
+    std::string host = forced && *forced ? forced : detail::local_address_toward(master_addr);
+    auto addresses = store_exchange(store, prefix + "/addr", rank, size,
+                                    host + ":" + std::to_string(listener.port()), timeout_s,
+                                    "the pipeline transport's addresses");
+    I.fds = detail::connect_mesh(listener, rank, addresses, std::hash<std::string>{}(prefix),
+                                 timeout_s);
+  }
+  for (int r = 0; r < size; ++r) I.send_mu.push_back(std::make_unique<std::mutex>());
+  for (int r = 0; r < size; ++r)
+    if (r != rank) I.receivers.emplace_back([this, r] { impl_->receive_loop(r); });
 }
 
 P2PEngine::~P2PEngine() {
+  auto& I = *impl_;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->stopping = true;
+    std::lock_guard<std::mutex> lock(I.mu);
+    I.stopping = true;
   }
-  // Tell every peer's receiver to stop (a zero-length preamble), then stop ours.
-  for (int r = 0; r < impl_->size; ++r) {
-    if (r == impl_->rank) continue;
+  // Tell every peer we are leaving (a zero-length header), then wake our receivers.
+  for (int r = 0; r < I.size; ++r) {
+    if (I.fds[r] < 0) continue;
     try {
-      std::lock_guard<std::mutex> lock(*impl_->send_mu[r]);
-      std::vector<at::Tensor> bye = {at::tensor({kMagic, int64_t{0}}, at::kLong)};
-      impl_->pg->send(bye, r, kTag)->wait(std::chrono::milliseconds(2000));
+      std::lock_guard<std::mutex> lock(*I.send_mu[r]);
+      int64_t bye[kFixedWords] = {kMagic, 0};
+      detail::write_all(I.fds[r], {iovec{bye, sizeof bye}});
     } catch (...) {
     }
+    shutdown(I.fds[r], SHUT_RDWR);
   }
-  for (auto& t : impl_->receivers) t.join();
+  for (auto& t : I.receivers) t.join();
+  for (int fd : I.fds)
+    if (fd >= 0) close(fd);
 }
 
 int P2PEngine::rank() const { return impl_->rank; }
@@ -220,69 +234,41 @@ void P2PEngine::send(int dst, const Message& msg) {
   }
   const int64_t n = static_cast<int64_t>(msg.tensors.size());
   const int64_t meta_len = static_cast<int64_t>(msg.meta.size());
-  const int64_t header_bytes = align8(static_cast<int64_t>(kFixedWords + n * kWordsPerTensor) * 8 + meta_len);
+  std::vector<int64_t> head(kFixedWords + n * kWordsPerTensor, 0);
   std::vector<at::Tensor> tensors;
-  int64_t total = header_bytes;
-  for (const at::Tensor& t : msg.tensors) {
-    SMP_CHECK(t.dim() <= kMaxDims, "p2p: tensor with ", t.dim(), " dims (at most ", kMaxDims, ")");
-    SMP_CHECK(t.device().is_cpu(), "p2p: only CPU tensors cross the Gloo pipeline transport");
-    tensors.push_back(t.contiguous());
-    total += align8(t.numel() * static_cast<int64_t>(t.element_size()));
-  }
-  const bool inline_data = total <= kStagingBytes;
-  auto buf = at::empty({inline_data ? total : header_bytes}, at::kByte);
-  auto* base = static_cast<char*>(buf.data_ptr());
-  auto* w = reinterpret_cast<int64_t*>(base);
-  w[0] = kMagic, w[1] = total, w[2] = msg.mb, w[3] = msg.call_id, w[4] = msg.kind;
-  w[5] = meta_len, w[6] = n, w[7] = inline_data ? 1 : 0;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    w[8] = impl_->epoch;
-  }
+  int64_t total = static_cast<int64_t>(head.size()) * 8 + meta_len;
   for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor& t = tensors[i];
-    int64_t* d = w + kFixedWords + i * kWordsPerTensor;
+    const at::Tensor& t = msg.tensors[i];
+    SMP_CHECK(t.dim() <= kMaxDims, "p2p: tensor with ", t.dim(), " dims (at most ", kMaxDims, ")");
+    SMP_CHECK(t.device().is_cpu(), "p2p: only CPU tensors cross the pipeline transport");
+    tensors.push_back(t.contiguous());
+    int64_t* d = head.data() + kFixedWords + i * kWordsPerTensor;
     d[0] = static_cast<int64_t>(t.scalar_type());
     d[1] = t.dim();
     for (int64_t k = 0; k < t.dim(); ++k) d[2 + k] = t.size(k);
+    total += t.numel() * static_cast<int64_t>(t.element_size());
   }
-  int64_t offset = static_cast<int64_t>(kFixedWords + n * kWordsPerTensor) * 8;
-  std::memcpy(base + offset, msg.meta.data(), meta_len);
-  offset = header_bytes;
-  if (inline_data) {
-    for (const at::Tensor& t : tensors) {
-      const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
-      if (nbytes) std::memcpy(base + offset, t.data_ptr(), nbytes);
-      offset += align8(nbytes);
-    }
-  }
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  head[0] = kMagic, head[1] = total, head[2] = msg.mb, head[3] = msg.call_id, head[4] = msg.kind;
+  head[5] = meta_len, head[6] = n;
   {
-    std::lock_guard<std::mutex> lock(*impl_->send_mu[dst]);
-    std::vector<at::Tensor> one = {buf};
-    works.push_back(impl_->pg->send(one, dst, kTag));
-    if (!inline_data) {
-      for (auto& t : tensors) {
-        if (t.numel() == 0) continue;
-        std::vector<at::Tensor> piece = {t};
-        works.push_back(impl_->pg->send(piece, dst, kTag));
-      }
-    }
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    head[7] = impl_->epoch;
   }
-  const int64_t bytes = total;
-  auto timeout = std::chrono::milliseconds(static_cast<int64_t>(impl_->timeout_s * 1000));
-  for (auto& work : works) {
-    try {
-      work->wait(timeout);
-    } catch (const std::exception& e) {
-      throw CommError(str_cat("smp: pipeline send to pp rank ", dst, " failed (microbatch ",
-                              msg.mb, ", call ", msg.call_id, ", kind ", msg.kind,
-                              "): ", first_line(e.what())));
-    }
+  std::vector<iovec> iov;
+  iov.push_back({head.data(), head.size() * 8});
+  if (meta_len) iov.push_back({const_cast<char*>(msg.meta.data()), msg.meta.size()});
+  for (const at::Tensor& t : tensors)
+    if (t.numel()) iov.push_back({t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size()});
+  try {
+    std::lock_guard<std::mutex> lock(*impl_->send_mu[dst]);
+    detail::write_all(impl_->fds[dst], std::move(iov));
+  } catch (const std::exception& e) {
+    throw CommError(str_cat("smp: pipeline send to pp rank ", dst, " failed (microbatch ", msg.mb,
+                            ", call ", msg.call_id, ", kind ", msg.kind, "): ", first_line(e.what())));
   }
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->stats.messages_sent++;
-  impl_->stats.bytes_sent += bytes;
+  impl_->stats.bytes_sent += total;
 }
 
 Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const std::string& what,
@@ -306,8 +292,7 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
   auto it = find();
   if (it == I.mailbox.end()) {
     if (yield_token && I.token_held) {
-      I.token_held = false;
-      I.wake_token_locked();
+      I.release_locked();
     } else {
       yield_token = false;  // not holding it: nothing to give back
     }
@@ -339,8 +324,7 @@ void P2PEngine::acquire_token(int64_t priority) {
 
 void P2PEngine::release_token() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->token_held = false;
-  impl_->wake_token_locked();
+  impl_->release_locked();
 }
 
 void P2PEngine::begin_step(int64_t epoch) {

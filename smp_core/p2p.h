@@ -1,11 +1,13 @@
 // Point-to-point message engine of the pipeline: the transport of remote module calls
 // between the ranks of one pp group.
 //
-// A message is (microbatch, call id, kind, opaque meta bytes, tensors). On the wire it
-// is a fixed preamble, a header blob (ids, meta, tensor metadata) and the tensors, each
-// one Gloo send on the p2p process group. Sends to one peer are serialized (a message
-// is never interleaved with another), so the peer's single receiver thread reads them
-// in order. Received messages land in a mailbox and are matched by
+// A message is (microbatch, call id, kind, opaque meta bytes, tensors). The ranks of
+// the group are connected by plain TCP sockets (a full mesh set up through the c10d
+// store; see smp_core/detail/tcp_mesh.h for why not Gloo). A message is one gathered
+// write: fixed header words, tensor descriptors, meta, then each tensor's bytes, read by
+// the peer's receiver thread straight into fresh tensors. Sends to one peer are
+// serialized (a message is never interleaved with another), so the receiver reads
+// them in order. Received messages land in a mailbox and are matched by
 // (microbatch, call id, kind) — never by arrival order (DESIGN.md invariant).
 //
 // The engine also owns the rank's compute token: the pipeline runs several microbatch
@@ -26,7 +28,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 namespace c10d {
-class ProcessGroup;
+class Store;
 }
 
 namespace smp {
@@ -58,16 +60,21 @@ struct Message {
 
 class P2PEngine {
  public:
-  // `pg` is a process group over the pp ranks used only by this engine; `timeout_s`
-  // bounds every wait. Starts one receiver thread per peer.
-  P2PEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, double timeout_s);
+  // Connects `rank` to the other `size` - 1 ranks of its group. Every rank of the group
+  // calls this together with the same `prefix` (unique per engine: it names the store
+  // keys the ranks publish their addresses under). `master_addr` picks the interface
+  // others reach this rank on (the one routed toward it; env SMP_P2P_ADDR overrides).
+  // `timeout_s` bounds the connection and every wait. Starts one receiver thread per
+  // peer.
+  P2PEngine(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank, int size,
+            double timeout_s, const std::string& master_addr = "127.0.0.1");
   ~P2PEngine();  // aborts pending receives and joins the receiver threads
 
   int rank() const;
   int size() const;
 
-  // Sends `msg` to pp rank `dst` (blocking until the bytes are handed to Gloo and
-  // sent). Sending to oneself delivers into the own mailbox.
+  // Sends `msg` to pp rank `dst` (blocking until the bytes are in the kernel's socket
+  // buffer). Sending to oneself delivers into the own mailbox.
   void send(int dst, const Message& msg);
 
   // Blocks until a message with microbatch `mb` (kAny: any), call id `call_id`
@@ -99,6 +106,7 @@ class P2PEngine {
   struct Stats {
     int64_t messages_sent = 0, messages_received = 0, bytes_sent = 0, bytes_received = 0;
     double wait_s = 0;
+    double token_held_s = 0;  // time some task held the compute token
   };
   Stats stats() const;
 

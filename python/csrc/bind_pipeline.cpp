@@ -1,6 +1,6 @@
 // Bindings of the pipeline transport (smp_core/p2p): Python builds messages from
 // module calls; C++ moves and matches them.
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <pybind11/stl.h>
 
 #include "bindings.h"
@@ -48,10 +48,13 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("messages_received", &P2PEngine::Stats::messages_received)
       .def_readonly("bytes_sent", &P2PEngine::Stats::bytes_sent)
       .def_readonly("bytes_received", &P2PEngine::Stats::bytes_received)
-      .def_readonly("wait_s", &P2PEngine::Stats::wait_s);
+      .def_readonly("wait_s", &P2PEngine::Stats::wait_s)
+      .def_readonly("token_held_s", &P2PEngine::Stats::token_held_s);
   py::class_<P2PEngine, std::shared_ptr<P2PEngine>>(m, "P2PEngine")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double>(), py::arg("process_group"),
-           py::arg("timeout_s"), release())
+      .def(py::init<c10::intrusive_ptr<c10d::Store>, const std::string&, int, int, double,
+                    const std::string&>(),
+           py::arg("store"), py::arg("prefix"), py::arg("rank"), py::arg("size"),
+           py::arg("timeout_s"), py::arg("master_addr") = "127.0.0.1", release())
       .def_property_readonly("rank", &P2PEngine::rank)
       .def_property_readonly("size", &P2PEngine::size)
       .def("send", &P2PEngine::send, release())

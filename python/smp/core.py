@@ -173,14 +173,6 @@ def init(config=None):
         pg = dist.new_group([r], timeout=timeout)
         if r == rank:
             groups["tp"] = pg
-    if cfg["partitions"] > 1:
-        # The pipeline's point-to-point traffic gets groups of its own, so it never
-        # interleaves with collectives on the pp group.
-        for ranks in topo.all_pp_groups():
-            pg = dist.new_group(ranks, timeout=timeout, backend="gloo")
-            if rank in ranks:
-                groups["pp_p2p"] = pg
-
     _C.install(cfg_json, rank, world, local_rank, local_size, store,
                groups["world"], groups["pp"], groups["dp"])
     state.cfg = SimpleNamespace(**cfg)

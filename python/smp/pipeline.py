@@ -19,7 +19,9 @@ exception and its traceback; the step body raises it on the driver, which then s
 ABORT to every pp rank, so every rank raises the same error and none hangs.
 """
 import contextlib
+import os
 import pickle
+import queue
 import threading
 import traceback
 
@@ -105,17 +107,61 @@ class _Task(threading.local):
 _task = _Task()
 
 
+class _Workers:
+    """Persistent task threads. Starting a thread per microbatch every step costs real
+    time (a stack, Python and torch thread state, allocator arenas), so tasks run on
+    threads kept from step to step."""
+
+    def __init__(self, name):
+        self.name = name
+        self.inboxes = []  # one per thread
+
+    def _loop(self, inbox, done):
+        while True:
+            fn = inbox.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            finally:
+                done.put(None)
+
+    def run(self, fns):
+        """Runs each callable of `fns` on its own thread and returns when all have
+        returned. The callables catch their own exceptions."""
+        done = self._done = getattr(self, "_done", None) or queue.SimpleQueue()
+        while len(self.inboxes) < len(fns):
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._loop, args=(inbox, done), daemon=True,
+                             name=f"{self.name}{len(self.inboxes)}").start()
+            self.inboxes.append(inbox)
+        for inbox, fn in zip(self.inboxes, fns):
+            inbox.put(fn)
+        for _ in fns:
+            done.get()
+
+    def stop(self):
+        for inbox in self.inboxes:
+            inbox.put(None)
+        self.inboxes = []
+
+
 class Engine:
     """Per-process pipeline state: transport, owned modules, recorded calls."""
 
     # Instrumentation (benchmarks): a factory of a context manager entered by every
     # task thread around its work, e.g. to install saved-tensor hooks per thread.
     task_context = None
+    _created = 0
 
     def __init__(self, model):
         self.model = model
         self.cfg = core.state.cfg
-        self.p2p = _C.P2PEngine(core.state.groups["pp_p2p"], self.cfg.timeout_s)
+        Engine._created += 1  # every rank creates its engines in the same order
+        pp_ranks = core.state.topology.pp_group(core.rank())
+        self.p2p = _C.P2PEngine(core.state.store, f"smp/p2p/{pp_ranks[0]}/{Engine._created}",
+                                core.pp_rank(), core.pp_size(), self.cfg.timeout_s,
+                                os.environ.get("MASTER_ADDR", "127.0.0.1"))
         self.owned = {}        # module name -> module (served here)
         self.records = {}      # (caller, mb, call id) -> (input leaves, outputs)
         self.counters = {}     # mb -> next call id
@@ -124,6 +170,7 @@ class Engine:
         self.epoch = 0
         self.fwd_done = set()  # microbatches whose forward finished ("simple")
         self.fwd_cond = threading.Condition()
+        self.workers = _Workers("smp-task")
 
     # Note [Schedule as priorities]: lower runs first. interleaved: any backward work
     # before a new forward, earlier microbatches first; simple: every forward first.
@@ -267,38 +314,36 @@ class Engine:
         num_mb = len(mb_inputs)
         results, errors = [None] * num_mb, []
         active = num_mb if self.cfg.pipeline == "simple" else self.cfg.active_microbatches
-        slots = threading.Semaphore(active)
+        order = iter(range(num_mb))  # next() of a range iterator is atomic under the GIL
+
+        def worker():  # at most `active` microbatches in flight, started in order
+            for mb in order:
+                run(mb)
 
         def run(mb):
-            with slots:
-                _task.mb, _task.backward = mb, False
-                self.model._set_microbatch(mb)
-                self.p2p.acquire_token(self._priority(mb, False))
-                try:
-                    with timeline.span("microbatch", mb=mb), self._task_context():
-                        results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])
-                except BaseException as exc:
-                    if not errors:
-                        payload = _error_payload(exc)
-                        for r in range(core.pp_size()):
-                            self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
-                    errors.append(exc)
-                finally:
-                    self.p2p.release_token()
-                    self.forward_finished(mb)  # a failed or eval microbatch must not block
-                    for r in range(1, core.pp_size()):
-                        try:
-                            self.p2p.send(r, _C.Message(mb, 0, K.MICROBATCH_DONE, b"", []))
-                        except Exception:
-                            pass
-                    _task.mb = None
+            _task.mb, _task.backward = mb, False
+            self.model._set_microbatch(mb)
+            self.p2p.acquire_token(self._priority(mb, False))
+            try:
+                with timeline.span("microbatch", mb=mb), self._task_context():
+                    results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])
+            except BaseException as exc:
+                if not errors:
+                    payload = _error_payload(exc)
+                    for r in range(core.pp_size()):
+                        self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
+                errors.append(exc)
+            finally:
+                self.p2p.release_token()
+                self.forward_finished(mb)  # a failed or eval microbatch must not block
+                for r in range(1, core.pp_size()):
+                    try:
+                        self.p2p.send(r, _C.Message(mb, 0, K.MICROBATCH_DONE, b"", []))
+                    except Exception:
+                        pass
+                _task.mb = None
 
-        threads = [threading.Thread(target=run, args=(mb,), name=f"smp-mb{mb}")
-                   for mb in range(num_mb)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self.workers.run([worker] * min(active, num_mb))
         self.records.clear()
         if errors:
             raise errors[0]
@@ -310,16 +355,12 @@ class Engine:
 
     def _serve_step(self, num_mb):
         errors = []
-        threads = [threading.Thread(target=self.serve_microbatch, args=(mb, errors),
-                                    name=f"smp-serve{mb}") for mb in range(num_mb)]
-        for t in threads:
-            t.start()
+        serve = [lambda mb=mb: self.serve_microbatch(mb, errors) for mb in range(num_mb)]
+        self.workers.run(serve)
         try:
             msg = self.p2p.recv(-1, _C.ANY, _BIT[K.STEP_END] | _BIT[K.ABORT],
                                 "the end of the step from the pipeline driver (pp rank 0)")
         finally:
-            for t in threads:
-                t.join()
             self.records.clear()
         if msg.kind == K.ABORT:
             _raise_remote(msg.meta)
@@ -347,6 +388,7 @@ class Engine:
                 "forward ('simple' pipeline) before backward")
 
     def shutdown(self):
+        self.workers.stop()
         self.p2p = None
 
 

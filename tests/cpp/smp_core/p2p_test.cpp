@@ -24,8 +24,8 @@ Message make(int64_t mb, int64_t call, int32_t kind, std::string meta,
 constexpr uint32_t bit(int kind) { return 1u << kind; }
 
 TEST(P2P, MatchesByKeyNotArrivalOrder) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
-    P2PEngine eng(pg, 10);
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 2, 10);
     if (r == 0) {
       for (int mb = 0; mb < 4; ++mb)
         eng.send(1, make(mb, 100 + mb, kRequest, "m" + std::to_string(mb),
@@ -48,8 +48,8 @@ TEST(P2P, MatchesByKeyNotArrivalOrder) {
 }
 
 TEST(P2P, LargeAndEmptyTensorsAndManyDtypes) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
-    P2PEngine eng(pg, 10);
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 2, 10);
     auto big = at::arange(2 * 1024 * 1024, at::kFloat);  // 8 MiB: above the staging size
     std::vector<at::Tensor> ts = {big, at::empty({0, 5}), at::ones({3}, at::kHalf),
                                   at::arange(2).gt(0), at::arange(7, at::kLong).view({7, 1})};
@@ -71,8 +71,8 @@ TEST(P2P, LargeAndEmptyTensorsAndManyDtypes) {
 }
 
 TEST(P2P, ConcurrentSendersNeverInterleave) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
-    P2PEngine eng(pg, 10);
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 2, 10);
     const int kThreads = 4, kEach = 25;
     if (r == 0) {
       std::vector<std::thread> ts;
@@ -93,8 +93,8 @@ TEST(P2P, ConcurrentSendersNeverInterleave) {
 }
 
 TEST(P2P, TimeoutNamesWhatWasAwaited) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
-    P2PEngine eng(pg, 0.3);
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 2, 0.3);
     if (r == 1) {
       try {
         eng.recv(3, 9, bit(kResponse), "the response of call 9 (microbatch 3) from pp rank 0");
@@ -103,14 +103,24 @@ TEST(P2P, TimeoutNamesWhatWasAwaited) {
         EXPECT_STREQ(e.what(), "smp: timed out after 0.3 s waiting for the response of call 9 "
                                "(microbatch 3) from pp rank 0 (pp rank 1)");
       }
+      eng.send(0, make(0, 1, kResponse, "done"));
+    } else {
+      for (int tries = 0;; ++tries) {  // stay until rank 1 has timed out (0.3 s waits)
+        try {
+          eng.recv(0, 1, bit(kResponse), "rank 1 done");
+          break;
+        } catch (const TimeoutError&) {
+          ASSERT_LT(tries, 30);
+        }
+      }
     }
   });
 }
 
 // Note [Compute token]: waiters get the token in priority order, not arrival order.
 TEST(P2P, TokenGoesToLowestPriorityValue) {
-  run_gloo_world(1, [](int, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
-    P2PEngine eng(pg, 10);
+  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 1, 10);
     eng.acquire_token(0);
     std::vector<int> order;
     std::mutex mu;
@@ -136,8 +146,8 @@ TEST(P2P, TokenGoesToLowestPriorityValue) {
 }
 
 TEST(P2P, RecvYieldsTheTokenWhileWaiting) {
-  run_gloo_world(1, [](int, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
-    P2PEngine eng(pg, 10);
+  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 1, 10);
     eng.acquire_token(0);
     std::thread other([&] {
       eng.acquire_token(1);  // only possible while the main task waits
@@ -151,6 +161,45 @@ TEST(P2P, RecvYieldsTheTokenWhileWaiting) {
   });
 }
 
+// A peer that goes away is reported to every waiter at once, naming it: no timeout.
+TEST(P2P, PeerThatLeavesIsReportedNotAwaited) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    auto eng = std::make_unique<P2PEngine>(store, "p2p", r, 2, 30);
+    if (r == 1) {
+      eng->send(0, make(0, 1, kResponse, "last words"));
+      eng.reset();
+      return;
+    }
+    EXPECT_EQ(eng->recv(0, 1, bit(kResponse), "last words").meta, "last words");
+    auto start = std::chrono::steady_clock::now();
+    try {
+      eng->recv(0, 2, bit(kResponse), "the response of call 2");
+      ADD_FAILURE() << "no error";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("pp rank 1"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("the response of call 2"), std::string::npos);
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  });
+}
+
+// The mesh connects every pair of a larger group; messages cross in both directions.
+TEST(P2P, FourRanksAllPairs) {
+  run_gloo_world(4, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p4", r, 4, 10);
+    for (int d = 0; d < 4; ++d)
+      eng.send(d, make(r, d, kRequest, std::to_string(r) + "->" + std::to_string(d),
+                       {at::full({3}, r * 10 + d)}));
+    for (int s = 0; s < 4; ++s) {
+      Message m = eng.recv(s, r, bit(kRequest), "a hello");
+      EXPECT_EQ(m.src, s);
+      EXPECT_EQ(m.meta, std::to_string(s) + "->" + std::to_string(r));
+      EXPECT_TRUE(m.tensors.at(0).equal(at::full({3}, s * 10 + r)));
+    }
+    pg->barrier()->wait();  // an engine that leaves early fails its peers' waits
+  });
+}
+
 }  // namespace
 }  // namespace smp
 
@@ -160,8 +209,8 @@ namespace {
 // Note [Step epochs]: a message of the next step waits until the receiver begins that
 // step; leftovers of an earlier step are dropped when a new one begins.
 TEST(P2P, MessagesMatchOnlyWithinTheirStep) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
-    P2PEngine eng(pg, 5);
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 2, 5);
     eng.begin_step(1);
     if (r == 0) {
       eng.send(1, make(0, 1, kRequest, "stale"));   // step 1, never received

@@ -1,0 +1,216 @@
+#include "smp_core/detail/tcp_mesh.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "smp_core/errors.h"
+
+namespace smp::detail {
+namespace {
+
+constexpr int64_t kHelloMagic = 0x736d7068656c6c6f;  // "smphello"
+constexpr int kBufferBytes = 8 << 20;                // asked for; the kernel may cap it
+
+std::string errno_text() { return std::strerror(errno); }
+
+using Clock = std::chrono::steady_clock;
+
+int remaining_ms(Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return left.count() < 0 ? 0 : static_cast<int>(left.count());
+}
+
+void configure(int fd, double timeout_s) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  int bytes = kBufferBytes;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout_s);
+  tv.tv_usec = static_cast<suseconds_t>((timeout_s - static_cast<double>(tv.tv_sec)) * 1e6);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+sockaddr_in parse(const std::string& address) {
+  auto colon = address.rfind(':');
+  SMP_CHECK(colon != std::string::npos, "p2p: bad address '", address, "'");
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  SMP_CHECK(inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr) == 1,
+            "p2p: bad address '", address, "'");
+  return sa;
+}
+
+// Connects to `address`, retrying while the peer is not listening yet.
+int connect_to(const std::string& address, Clock::time_point deadline) {
+  sockaddr_in sa = parse(address);
+  while (true) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw CommError("smp: p2p: socket() failed: " + errno_text());
+    if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) return fd;
+    int err = errno;
+    close(fd);
+    if (Clock::now() >= deadline)
+      throw TimeoutError(str_cat("smp: p2p: could not connect to ", address, ": ",
+                                 std::strerror(err)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+}  // namespace
+
+std::string local_address_toward(const std::string& host) {
+  if (host.empty() || host == "localhost" || host.rfind("127.", 0) == 0) return "127.0.0.1";
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || res == nullptr) return "127.0.0.1";
+  std::string out = "127.0.0.1";
+  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {  // picks a route only
+    sockaddr_in local{};
+    socklen_t len = sizeof local;
+    char text[INET_ADDRSTRLEN];
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        inet_ntop(AF_INET, &local.sin_addr, text, sizeof text) != nullptr)
+      out = text;
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(res);
+  return out;
+}
+
+Listener::Listener() {
+  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) throw CommError("smp: p2p: socket() failed: " + errno_text());
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof sa;
+  if (bind(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || listen(fd_, 128) != 0 ||
+      getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+    std::string why = errno_text();
+    close(fd_);
+    throw CommError("smp: p2p: cannot listen for pipeline connections: " + why);
+  }
+  port_ = ntohs(sa.sin_port);
+}
+
+Listener::~Listener() {
+  if (fd_ >= 0) close(fd_);
+}
+
+std::vector<int> connect_mesh(Listener& listener, int rank,
+                              const std::vector<std::string>& addresses, uint64_t nonce,
+                              double timeout_s) {
+  const int size = static_cast<int>(addresses.size());
+  const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  std::vector<int> fds(size, -1);
+  auto close_all = [&] {
+    for (int& fd : fds)
+      if (fd >= 0) close(fd), fd = -1;
+  };
+  try {
+    for (int peer = 0; peer < rank; ++peer) {
+      int fd = connect_to(addresses[peer], deadline);
+      fds[peer] = fd;
+      configure(fd, timeout_s);
+      int64_t hello[3] = {kHelloMagic, static_cast<int64_t>(nonce), rank};
+      write_all(fd, {iovec{hello, sizeof hello}});
+    }
+    int missing = size - 1 - rank;
+    while (missing > 0) {
+      pollfd p{listener.fd(), POLLIN, 0};
+      int ready = poll(&p, 1, remaining_ms(deadline));
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready <= 0) {
+        std::string who;
+        for (int r = rank + 1; r < size; ++r)
+          if (fds[r] < 0) who += (who.empty() ? "" : ", ") + std::to_string(r);
+        throw TimeoutError(str_cat("smp: timed out after ", timeout_s,
+                                   " s waiting for the pipeline connections of pp ranks ", who,
+                                   " (pp rank ", rank, ")"));
+      }
+      int fd = accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      // A hello must come promptly; anything else is not one of ours.
+      timeval tv{5, 0};
+      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+      int64_t hello[3] = {0, 0, -1};
+      bool ok = false;
+      try {
+        ok = read_exact(fd, hello, sizeof hello);
+      } catch (const CommError&) {
+      }
+      const int64_t peer = hello[2];
+      if (!ok || hello[0] != kHelloMagic || hello[1] != static_cast<int64_t>(nonce) ||
+          peer <= rank || peer >= size || fds[peer] >= 0) {
+        close(fd);
+        continue;
+      }
+      timeval none{0, 0};
+      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none);
+      configure(fd, timeout_s);
+      fds[peer] = fd;
+      --missing;
+    }
+  } catch (...) {
+    close_all();
+    throw;
+  }
+  return fds;
+}
+
+bool read_exact(int fd, void* buf, size_t n) {
+  auto* p = static_cast<char*>(buf);
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = recv(fd, p + got, n - got, MSG_WAITALL);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0 && got == 0) return false;
+    throw CommError(r == 0 ? std::string("connection closed in the middle of a message")
+                           : errno_text());
+  }
+  return true;
+}
+
+void write_all(int fd, std::vector<iovec> iov) {
+  size_t first = 0;
+  while (first < iov.size()) {
+    msghdr msg{};
+    msg.msg_iov = iov.data() + first;
+    msg.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
+    ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK)
+        throw TimeoutError("the peer stopped reading (send timed out)");
+      throw CommError(errno_text());
+    }
+    auto left = static_cast<size_t>(w);
+    while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+    if (left > 0) {
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+  }
+}
+
+}  // namespace smp::detail

@@ -272,19 +272,32 @@ void P2PEngine::send(int dst, const Message& msg) {
 }
 
 Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const std::string& what,
-                        bool yield_token, int64_t priority) {
+                        bool yield_token, int64_t priority, RecvOrder order) {
   auto& I = *impl_;
   std::unique_lock<std::mutex> lock(I.mu);
   auto start = std::chrono::steady_clock::now();
   auto deadline = start + std::chrono::milliseconds(static_cast<int64_t>(I.timeout_s * 1000));
-  auto find = [&] {
-    return std::find_if(I.mailbox.begin(), I.mailbox.end(),
-                        [&](const Message& m) { return I.matches(m, mb, call_id, kind_mask); });
+  // Note [Receive order]: rank of a message under `order` (smaller first; ties keep
+  // arrival order). Step-level messages come first: an abort must not wait behind work.
+  auto rank_of = [&](const Message& m) -> int64_t {
+    if (m.kind == kAbort || m.kind == kStepEnd) return -1;
+    const bool backward = m.kind == kBackwardRequest || m.kind == kBackwardResponse;
+    const bool first = order == RecvOrder::kBackwardFirst ? backward : !backward;
+    return (first ? 0 : int64_t{1} << 40) + m.mb;
   };
-  // An abort stays in the mailbox (until clear_mailbox) so that every waiting task of
-  // the step sees it, not only the first.
+  auto find = [&] {
+    auto match = [&](const Message& m) { return I.matches(m, mb, call_id, kind_mask); };
+    auto it = std::find_if(I.mailbox.begin(), I.mailbox.end(), match);
+    if (order == RecvOrder::kArrival || it == I.mailbox.end()) return it;
+    auto best = it;
+    for (++it; it != I.mailbox.end(); ++it)
+      if (match(*it) && rank_of(*it) < rank_of(*best)) best = it;
+    return best;
+  };
+  // Step-level messages (an abort, the step's end) stay in the mailbox until the next
+  // begin_step, so that every waiting task of the step sees them, not only the first.
   auto take = [&](std::deque<Message>::iterator pos) {
-    if (pos->kind == kAbort) return Message(*pos);
+    if (pos->kind == kAbort || pos->kind == kStepEnd) return Message(*pos);
     Message m = std::move(*pos);
     I.mailbox.erase(pos);
     return m;

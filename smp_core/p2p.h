@@ -40,13 +40,20 @@ enum MsgKind : int32_t {
   kBackwardRequest = 3,   // output gradients of an earlier call
   kBackwardResponse = 4,  // input gradients
   kError = 5,             // the call raised: meta holds the pickled error
-  kMicrobatchDone = 6,    // the driver finished a microbatch: its tasks may end
-  kStepEnd = 7,           // the driver finished the step: meta holds the outputs
+  kMicrobatchDone = 6,    // unused (tasks now end with the step); kept: kinds are on the wire
+  kStepEnd = 7,           // the driver finished the step: meta holds the outputs; sticky
   kAbort = 8,             // the step failed somewhere: meta holds the pickled error
 };
 
 // Matches any call id / any microbatch in recv().
 constexpr int64_t kAny = -1;
+
+// Which of several matching messages recv() returns (Note [Receive order]).
+enum class RecvOrder : int32_t {
+  kArrival = 0,        // the earliest
+  kBackwardFirst = 1,  // backward kinds first, then the lowest microbatch ("interleaved")
+  kForwardFirst = 2,   // forward kinds first, then the lowest microbatch ("simple")
+};
 
 struct Message {
   int src = -1;          // pp rank of the sender
@@ -80,12 +87,15 @@ class P2PEngine {
   // Blocks until a message with microbatch `mb` (kAny: any), call id `call_id`
   // (kAny: any) and a kind in `kind_mask` (bit 1 << kind) is in the mailbox, removes
   // and returns it. Step-level kinds (kStepEnd, kAbort) match any `mb`; an abort is
-  // returned to every waiter (it stays until the next begin_step()). With
+  // returned to every waiter, and so is the step's end (they stay until the next
+  // begin_step()). With
   // `yield_token`, the caller's compute token is released while waiting and
-  // re-acquired with `priority` before returning. Throws TimeoutError naming `what`,
-  // or CommError if a peer's connection broke.
+  // re-acquired with `priority` before returning. `order` picks among several matching
+  // messages. Throws TimeoutError naming `what`, or CommError if a peer's connection
+  // broke or its engine closed.
   Message recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const std::string& what,
-               bool yield_token = false, int64_t priority = 0);
+               bool yield_token = false, int64_t priority = 0,
+               RecvOrder order = RecvOrder::kArrival);
 
   // Note [Compute token]: one task at a time computes on a rank. acquire() blocks until
   // the token is free and no waiting task has a smaller priority value (ties: first

@@ -23,6 +23,10 @@ void bind_pipeline(py::module_& m) {
       .value("ABORT", kAbort)
       .export_values();
   m.attr("ANY") = kAny;
+  py::enum_<RecvOrder>(m, "RecvOrder")
+      .value("ARRIVAL", RecvOrder::kArrival)
+      .value("BACKWARD_FIRST", RecvOrder::kBackwardFirst)
+      .value("FORWARD_FIRST", RecvOrder::kForwardFirst);
   py::class_<Message>(m, "Message")
       .def(py::init([](int64_t mb, int64_t call_id, int32_t kind, const py::bytes& meta,
                        std::vector<at::Tensor> tensors) {
@@ -59,7 +63,8 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("size", &P2PEngine::size)
       .def("send", &P2PEngine::send, release())
       .def("recv", &P2PEngine::recv, py::arg("mb"), py::arg("call_id"), py::arg("kind_mask"),
-           py::arg("what"), py::arg("yield_token") = false, py::arg("priority") = 0, release())
+           py::arg("what"), py::arg("yield_token") = false, py::arg("priority") = 0,
+           py::arg("order") = RecvOrder::kArrival, release())
       .def("acquire_token", &P2PEngine::acquire_token, release())
       .def("release_token", &P2PEngine::release_token, release())
       .def("begin_step", &P2PEngine::begin_step, py::arg("epoch"))

@@ -59,6 +59,28 @@ class Placed(nn.Module):
     def forward(self, x):
         return self.last(torch.relu(self.mid(torch.relu(self.first(x)))))
 
+class Outer(nn.Module):
+    # Owned by pp rank 1, it calls back into a module of pp rank 0 (a nested call while
+    # rank 1 serves a request), then goes on with its own.
+    def __init__(self, d=16):
+        super().__init__()
+        self.pre = nn.Linear(d, d)
+        with smp.partition(0):
+            self.back = Block(d)
+        self.post = nn.Linear(d, d)
+    def forward(self, x):
+        return self.post(torch.relu(self.back(torch.relu(self.pre(x)))))
+
+class Nested(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        with smp.partition(1):
+            self.outer = Outer(d)
+        self.head = nn.Linear(d, 3)
+    def forward(self, x):
+        return self.head(self.outer(self.inp(x)))
+
 class Exploding(nn.Linear):
     def forward(self, x):
         if not smp.is_tracing():  # the trace runs everything everywhere; the step does not
@@ -81,7 +103,7 @@ cfg = dict(opts["cfg"])
 smp.init(cfg)
 torch.manual_seed(0)
 kind = opts.get("model", "residual")
-net = {"residual": Residual, "fancy": Fancy, "placed": Placed}[kind]()
+net = {"residual": Residual, "fancy": Fancy, "placed": Placed, "nested": Nested}[kind]()
 ref = copy.deepcopy(net)
 opt = torch.optim.SGD(net.parameters(), lr=0.05)
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -185,6 +207,16 @@ def test_manual_partition_honoured(ranks):
                model="placed")
     plan = json.loads(res[0].stdout.split("plan", 1)[1].splitlines()[0])
     assert plan["first"] == 1 and plan["last"] == 1 and plan["mid"] == 0 and plan[""] == 0
+
+
+@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
+def test_nested_calls_back_into_the_driver(ranks, pipeline):
+    # Rank 1 serves `outer` and, inside it, waits on `outer.back` owned by rank 0 while
+    # other microbatches' requests keep being served (Note [Serving]).
+    res = _run(ranks, 2, {"partitions": 2, "microbatches": 4, "pipeline": pipeline,
+                          "auto_partition": False, "default_partition": 0}, model="nested")
+    plan = json.loads(res[0].stdout.split("plan", 1)[1].splitlines()[0])
+    assert plan["outer"] == 1 and plan["outer.back"] == 0 and plan["outer.pre"] == 1, plan
 
 
 def test_manual_partition_ignored_with_auto(ranks):

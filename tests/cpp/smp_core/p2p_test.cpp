@@ -50,7 +50,7 @@ TEST(P2P, MatchesByKeyNotArrivalOrder) {
 TEST(P2P, LargeAndEmptyTensorsAndManyDtypes) {
   run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
     P2PEngine eng(store, "p2p", r, 2, 10);
-    auto big = at::arange(2 * 1024 * 1024, at::kFloat);  // 8 MiB: above the staging size
+    auto big = at::arange(2 * 1024 * 1024, at::kFloat);  // 8 MiB: more than a socket buffer holds (partial writes)
     std::vector<at::Tensor> ts = {big, at::empty({0, 5}), at::ones({3}, at::kHalf),
                                   at::arange(2).gt(0), at::arange(7, at::kLong).view({7, 1})};
     if (r == 0) {
@@ -180,6 +180,57 @@ TEST(P2P, PeerThatLeavesIsReportedNotAwaited) {
       EXPECT_NE(std::string(e.what()).find("the response of call 2"), std::string::npos);
     }
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  });
+}
+
+// Note [Receive order]: among matching messages, the schedule's order picks, not arrival.
+TEST(P2P, ReceiveOrderFollowsTheSchedule) {
+  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "order", r, 1, 10);
+    const uint32_t serve = bit(kRequest) | bit(kBackwardRequest);
+    auto post = [&] {
+      eng.send(0, make(2, 1, kRequest, "fwd 2"));
+      eng.send(0, make(1, 1, kBackwardRequest, "bwd 1"));
+      eng.send(0, make(0, 1, kRequest, "fwd 0"));
+      eng.send(0, make(0, 2, kBackwardRequest, "bwd 0"));
+    };
+    auto drain = [&](RecvOrder order) {
+      std::vector<std::string> got;
+      for (int i = 0; i < 4; ++i)
+        got.push_back(eng.recv(kAny, kAny, serve, "work", false, 0, order).meta);
+      return got;
+    };
+    post();
+    EXPECT_EQ(drain(RecvOrder::kBackwardFirst),
+              (std::vector<std::string>{"bwd 0", "bwd 1", "fwd 0", "fwd 2"}));
+    post();
+    EXPECT_EQ(drain(RecvOrder::kForwardFirst),
+              (std::vector<std::string>{"fwd 0", "fwd 2", "bwd 0", "bwd 1"}));
+    post();
+    EXPECT_EQ(drain(RecvOrder::kArrival),
+              (std::vector<std::string>{"fwd 2", "bwd 1", "fwd 0", "bwd 0"}));
+  });
+}
+
+// The step's end, like an abort, is seen by every waiter of the step.
+TEST(P2P, StepEndReachesEveryWaiter) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "end", r, 2, 10);
+    eng.begin_step(1);
+    if (r == 0) {
+      eng.send(1, make(-1, 0, kStepEnd, "outputs"));
+      eng.recv(0, 1, bit(kResponse), "rank 1 done");
+      return;
+    }
+    std::vector<std::thread> waiters;
+    std::atomic<int> seen{0};
+    for (int mb = 0; mb < 3; ++mb)
+      waiters.emplace_back([&, mb] {
+        if (eng.recv(mb, kAny, bit(kRequest) | bit(kStepEnd), "work").meta == "outputs") seen++;
+      });
+    for (auto& t : waiters) t.join();
+    EXPECT_EQ(seen.load(), 3);
+    eng.send(0, make(0, 1, kResponse, "done"));
   });
 }
 

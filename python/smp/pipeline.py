@@ -8,7 +8,8 @@ graph: its backward sends the output gradients to the owner and waits for the in
 gradients, which the owner computes on the graph it recorded for that call.
 
 Tasks: the driver (pp rank 0) runs the step body once per microbatch, each in a
-thread; every other rank runs one serving task per microbatch. A task computes only
+thread; every other rank serves all microbatches' requests with one leading thread
+(Note [Serving]). A task computes only
 while it holds the rank's compute token (C++), and gives it up while it waits for a
 message, so another microbatch's work proceeds: that is the pipeline. Token priorities
 encode the schedule (see `_priority`). Messages are matched by (microbatch, call id,

@@ -182,9 +182,9 @@ P2PEngine::P2PEngine(c10::intrusive_ptr<c10d::Store> store, const std::string& p
   I.size = size;
   I.fds.assign(size, -1);
   if (size > 1) {
-    detail::Listener listener;
     const char* forced = std::getenv("SMP_P2P_ADDR");
     std::string host = forced && *forced ? forced : detail::local_address_toward(master_addr);
+    detail::Listener listener(host);
     auto addresses = store_exchange(store, prefix + "/addr", rank, size,
                                     host + ":" + std::to_string(listener.port()), timeout_s,
                                     "the pipeline transport's addresses");

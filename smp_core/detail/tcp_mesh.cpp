@@ -93,18 +93,19 @@ std::string local_address_toward(const std::string& host) {
   return out;
 }
 
-Listener::Listener() {
-  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd_ < 0) throw CommError("smp: p2p: socket() failed: " + errno_text());
+Listener::Listener(const std::string& host) {
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1)
+    throw CommError("smp: p2p: '" + host + "' is not an IPv4 address (SMP_P2P_ADDR?)");
+  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) throw CommError("smp: p2p: socket() failed: " + errno_text());
   socklen_t len = sizeof sa;
   if (bind(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || listen(fd_, 128) != 0 ||
       getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
     std::string why = errno_text();
     close(fd_);
-    throw CommError("smp: p2p: cannot listen for pipeline connections: " + why);
+    throw CommError("smp: p2p: cannot listen for pipeline connections on " + host + ": " + why);
   }
   port_ = ntohs(sa.sin_port);
 }

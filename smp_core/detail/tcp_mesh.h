@@ -26,10 +26,11 @@ namespace smp::detail {
 // nothing is sent). 127.0.0.1 when `host` is a loopback name or cannot be resolved.
 std::string local_address_toward(const std::string& host);
 
-// A listening TCP socket on every interface and an ephemeral port.
+// A listening TCP socket on the IPv4 address `host` (only there: a rank publishing
+// 127.0.0.1 is not reachable from other machines) and an ephemeral port.
 class Listener {
  public:
-  Listener();
+  explicit Listener(const std::string& host);
   ~Listener();
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;

@@ -83,11 +83,8 @@ struct P2PEngine::Impl {
         SMP_CHECK(w[0] == kMagic, "p2p: bad message header from pp rank ", peer);
         const int64_t total = w[1];
         if (total == 0) {  // the peer's engine is shutting down: nothing more will come
-          std::lock_guard<std::mutex> lock(mu);
-          if (!stopping && fatal.empty())
-            fatal = str_cat("smp: pp rank ", peer, " closed its pipeline engine (seen on pp rank ",
-                            rank, ")");
-          for (auto* w : mail_waiters) w->cv.notify_one();
+          fail(str_cat("smp: pp rank ", peer, " closed its pipeline engine (seen on pp rank ",
+                       rank, ")"));
           return;
         }
         Message m;
@@ -116,12 +113,17 @@ struct P2PEngine::Impl {
         deliver_locked(std::move(m));
       }
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!stopping && fatal.empty())
-        fatal = str_cat("smp: lost the pipeline connection to pp rank ", peer, " (on pp rank ",
-                        rank, "): ", first_line(e.what()));
-      for (auto* w : mail_waiters) w->cv.notify_one();
+      fail(str_cat("smp: lost the pipeline connection to pp rank ", peer, " (on pp rank ", rank,
+                   "): ", first_line(e.what())));
     }
+  }
+
+  // A peer is gone: every wait from now on throws `why` (the first reason wins; none
+  // while this engine is shutting down itself).
+  void fail(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!stopping && fatal.empty()) fatal = why;
+    for (auto* w : mail_waiters) w->cv.notify_one();
   }
 
   // Appends `m` and wakes the waiters it matches. Holds mu.

@@ -106,12 +106,17 @@ class _Task(threading.local):
 
 
 class _ServingState:
-    def __init__(self, errors):
+    def __init__(self):
         self.cond = threading.Condition()
         self.free = True   # nobody leads: the next idle worker takes the lead
         self.over = False  # the step ended (or failed)
         self.idle = 0      # workers waiting to lead
-        self.errors = errors
+        self.errors = []
+
+    def end(self):
+        with self.cond:
+            self.over = True
+            self.cond.notify_all()
 
 
 _task = _Task()
@@ -305,7 +310,7 @@ class Engine:
     # must wait does the leader hand the lead to an idle worker (`_resign`), so other
     # microbatches keep being served while it waits; it serves requests of its own
     # microbatch meanwhile, like every waiting task.
-    def _serve_worker(self, errors):
+    def _serve_worker(self):
         st = self._serving
         try:
             while True:
@@ -322,9 +327,7 @@ class Engine:
                                         "work from the pipeline driver (pp rank 0)",
                                         order=self._order)
                     if msg.kind in (K.STEP_END, K.ABORT):  # an abort is raised by the main thread
-                        with st.cond:
-                            st.over = True
-                            st.cond.notify_all()
+                        st.end()
                         return
                     backward = msg.kind == K.BACKWARD_REQUEST
                     self.p2p.acquire_token(self._priority(msg.mb, backward))
@@ -336,16 +339,14 @@ class Engine:
                         self.p2p.release_token()
                         _task.mb = None
         except Exception as exc:
-            errors.append(exc)
-            with st.cond:
-                st.over = True
-                st.cond.notify_all()
+            st.errors.append(exc)
+            st.end()
         finally:
             _task.leader = False
 
     def _resign(self):
         """Called by a serving leader about to wait: another worker takes the lead."""
-        if not getattr(_task, "leader", False):
+        if not _task.leader:
             return
         _task.leader = False
         st = self._serving
@@ -353,7 +354,7 @@ class Engine:
             st.free = True
             st.cond.notify()
             if st.idle == 0:  # every worker waits on a nested call: add one
-                self.workers.spawn(lambda: self._serve_worker(st.errors))
+                self.workers.spawn(self._serve_worker)
 
     # --- the step ---------------------------------------------------------------------
 
@@ -370,7 +371,7 @@ class Engine:
         self.p2p.begin_step(self.epoch)  # Note [Step epochs] in smp_core/p2p.h
         if core.pp_rank() == 0:
             return self._drive(fn, mb_inputs)
-        return self._serve_step(len(mb_inputs))
+        return self._serve_step()
 
     def _drive(self, fn, mb_inputs):
         num_mb = len(mb_inputs)
@@ -410,10 +411,9 @@ class Engine:
             self.p2p.send(r, _C.Message(-1, 0, K.STEP_END, payload, []))
         return out
 
-    def _serve_step(self, num_mb):
-        errors = []
-        self._serving = _ServingState(errors)
-        self.workers.run([lambda: self._serve_worker(errors)] * 2)
+    def _serve_step(self):
+        self._serving = _ServingState()
+        self.workers.run([self._serve_worker] * 2)  # one leads, one stands by
         try:
             msg = self.p2p.recv(-1, _C.ANY, _BIT[K.STEP_END] | _BIT[K.ABORT],
                                 "the end of the step from the pipeline driver (pp rank 0)")
@@ -421,8 +421,8 @@ class Engine:
             self.records.clear()
         if msg.kind == K.ABORT:
             _raise_remote(msg.meta)
-        if errors:
-            raise errors[0]
+        if self._serving.errors:
+            raise self._serving.errors[0]
         return pickle.loads(msg.meta)
 
     # "simple": every microbatch's forward finishes before any backward starts.

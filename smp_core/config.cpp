@@ -13,7 +13,10 @@ using nlohmann::json;
 
 std::string rank_suffix(int rank) { return rank >= 0 ? str_cat(" (rank ", rank, ")") : ""; }
 
-std::string show(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+// Strings quoted, so "'pipeline'='1f1b'" reads as a value, not a syntax.
+std::string show(const json& v) {
+  return v.is_string() ? str_cat("'", v.get<std::string>(), "'") : v.dump();
+}
 
 // Levenshtein distance, for "did you mean".
 size_t edit_distance(const std::string& a, const std::string& b) {
@@ -195,13 +198,16 @@ Config Config::from_json(const std::string& text, int rank) {
     if (p.has(k.name) && obj[k.name] != k.neutral)
       p.fail(k.name, obj[k.name], str_cat("supported by smp (only ", k.neutral.dump(), ")"));
   }
+  json ignored = json::object();
   for (const auto& [name, type] : ignored_keys()) {
     if (!p.has(name)) continue;
     const json& v = obj[name];
     bool ok = type == json::value_t::boolean ? v.is_boolean()
                                              : (v.is_number_integer() && v.get<int64_t>() >= 0);
     if (!ok) p.fail(name, v, type == json::value_t::boolean ? "one of {true, false}" : "an integer >= 0");
+    ignored[name] = v;
   }
+  c.ignored_json = ignored.dump();
   return c;
 }
 
@@ -219,7 +225,12 @@ std::string Config::to_json() const {
             {"contiguous", contiguous},
             {"backend", backend},
             {"timeout_s", timeout_s},
-            {"skip_tracing", skip_tracing}};
+            {"skip_tracing", skip_tracing},
+            {"pipeline_parallel_degree", partitions},
+            {"ddp_dist_backend", backend}};
+  for (const auto& k : neutral_keys()) j[k.name] = k.neutral;
+  const json ignored = json::parse(ignored_json);  // outlives the loop over its items
+  for (auto it = ignored.begin(); it != ignored.end(); ++it) j[it.key()] = it.value();
   return j.dump();  // nlohmann::json objects keep keys sorted
 }
 

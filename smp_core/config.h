@@ -42,13 +42,18 @@ struct Config {
   double timeout_s = 300.0;
   // Skip the tracing pass (SMP v1.6+); the partitioner then uses parameter sizes only.
   bool skip_tracing = false;
+  // Compatibility keys smp accepts but does not use (ddp_port, ...), as given: a JSON
+  // object, so SMP clients read them back through smp.state.cfg.
+  std::string ignored_json = "{}";
 
   // Parses a JSON object; validates every key (unknown keys get a did-you-mean) and
   // resolves defaults that depend on other keys. `rank` >= 0 is named in messages.
   // Throws ConfigError.
   static Config from_json(const std::string& json, int rank = -1);
 
-  // Canonical JSON of the resolved config: sorted keys, every key present.
+  // Canonical JSON of the resolved config: sorted keys, every key present, also under
+  // SMP's names (pipeline_parallel_degree, ddp_dist_backend) and with SMP's keys that
+  // smp accepts only at their neutral value (fp16, prescaled_batch, ...) at that value.
   std::string to_json() const;
 
   // FNV-1a hash of to_json(): equal on ranks that agree.

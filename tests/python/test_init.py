@@ -159,7 +159,7 @@ except ValueError as e:
 """
     for r in ranks(script, 2, check=False, timeout=60):
         assert r.returncode == 3, r
-        assert ("ConfigError smp: invalid config on rank 1: smp: config 'pipeline'=1f1b is not "
+        assert ("ConfigError smp: invalid config on rank 1: smp: config 'pipeline'='1f1b' is not "
                 "one of {interleaved, simple}") in r.stdout, r
 
 

@@ -70,22 +70,22 @@ TEST(Config, PipelineParallelDegreeIsAnAlias) {
 
 TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_EQ(error_of(R"({"pipeline": "1f1b"})", 3),
-            "smp: config 'pipeline'=1f1b is not one of {interleaved, simple} (rank 3)");
+            "smp: config 'pipeline'='1f1b' is not one of {interleaved, simple} (rank 3)");
   EXPECT_EQ(error_of(R"({"partitions": 0})"),
             "smp: config 'partitions'=0 is not an integer in [1, 1073741824]");
   EXPECT_EQ(error_of(R"({"partitions": 2.5})"),
             "smp: config 'partitions'=2.5 is not an integer in [1, 1073741824]");
   EXPECT_EQ(error_of(R"({"partitions": "2"})"),
-            "smp: config 'partitions'=2 is not an integer in [1, 1073741824]");
+            "smp: config 'partitions'='2' is not an integer in [1, 1073741824]");  // a string, quoted
   EXPECT_EQ(error_of(R"({"microbatches": -1})"),
             "smp: config 'microbatches'=-1 is not an integer in [1, 1073741824]");
-  EXPECT_EQ(error_of(R"({"ddp": "yes"})"), "smp: config 'ddp'=yes is not one of {true, false}");
+  EXPECT_EQ(error_of(R"({"ddp": "yes"})"), "smp: config 'ddp'='yes' is not one of {true, false}");
   EXPECT_EQ(error_of(R"({"ddp": 1})"), "smp: config 'ddp'=1 is not one of {true, false}");
   EXPECT_EQ(error_of(R"({"placement_strategy": "far"})"),
-            "smp: config 'placement_strategy'=far is not one of {cluster, spread, DPT, DTP, "
+            "smp: config 'placement_strategy'='far' is not one of {cluster, spread, DPT, DTP, "
             "PDT, PTD, TDP, TPD}");
   EXPECT_EQ(error_of(R"({"optimize": "fast"})"),
-            "smp: config 'optimize'=fast is not one of {speed, memory}");
+            "smp: config 'optimize'='fast' is not one of {speed, memory}");
   EXPECT_EQ(error_of(R"({"auto_partition": null})"),
             "smp: config 'auto_partition'=null is not one of {true, false}");
   EXPECT_EQ(error_of(R"({"partitions": 2, "default_partition": 2})"),
@@ -97,13 +97,13 @@ TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_EQ(error_of(R"({"contiguous": false})"),
             "smp: config 'contiguous'=false is not supported: partitions are always contiguous (true)");
   EXPECT_EQ(error_of(R"({"backend": "mpi"})"),
-            "smp: config 'backend'=mpi is not one of {auto, gloo, nccl}");
+            "smp: config 'backend'='mpi' is not one of {auto, gloo, nccl}");
   EXPECT_EQ(error_of(R"({"timeout_s": 0})"), "smp: config 'timeout_s'=0 is not a number in (0, 1e+07]");
   EXPECT_EQ(error_of(R"({"skip_tracing": 0})"),
             "smp: config 'skip_tracing'=0 is not one of {true, false}");
   EXPECT_EQ(error_of(R"({"tensor_parallel_degree": 2})"),
             "smp: config 'tensor_parallel_degree'=2 is not supported by smp (only 1)");
-  EXPECT_EQ(error_of(R"({"ddp_port": "x"})"), "smp: config 'ddp_port'=x is not an integer >= 0");
+  EXPECT_EQ(error_of(R"({"ddp_port": "x"})"), "smp: config 'ddp_port'='x' is not an integer >= 0");
 }
 
 TEST(Config, UnknownKeysSuggest) {
@@ -127,6 +127,19 @@ TEST(Config, CanonicalJsonAndHash) {
   EXPECT_NE(a.hash(), Config::from_json(R"({"partitions": 2})").hash());
   // Round trip: the canonical form parses to itself.
   EXPECT_EQ(Config::from_json(a.to_json()).to_json(), a.to_json());
+}
+
+// SMP clients read every accepted key back under SMP's name (smp.state.cfg).
+TEST(Config, CanonicalJsonHasSmpNames) {
+  Config c = Config::from_json(R"({"partitions": 2, "ddp_port": 1234, "backend": "gloo"})");
+  const std::string j = c.to_json();
+  for (const char* kv : {"\"pipeline_parallel_degree\":2", "\"ddp_port\":1234",
+                         "\"ddp_dist_backend\":\"gloo\"", "\"prescaled_batch\":false",
+                         "\"tensor_parallel_degree\":1", "\"fp16\":false"})
+    EXPECT_NE(j.find(kv), std::string::npos) << kv << " not in " << j;
+  EXPECT_EQ(Config::from_json(j).to_json(), j);  // still a fixed point
+  // Without the key, an ignored key is absent (it has no meaningful default).
+  EXPECT_EQ(Config::from_json("{}").to_json().find("ddp_port"), std::string::npos);
 }
 
 TEST(Config, ValidateWorld) {

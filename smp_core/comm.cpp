@@ -119,7 +119,7 @@ std::vector<std::string> store_exchange(const StorePtr& store, const std::string
                                  " from rank(s) ", missing, " (on rank ", rank, ")"));
     }
     std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    pause = std::min(pause * 2, std::chrono::milliseconds(5));  // a check is one store round trip
   }
   std::vector<std::string> out;
   for (int r = 0; r < world_size; ++r) {

@@ -6,8 +6,11 @@ comes from, creates the ``torch.distributed`` groups (so they are registered wit
 torch and usable with its API) and pickles objects.
 """
 import atexit
+import contextlib
 import datetime
 import enum
+import inspect
+import itertools
 import json
 import os
 import pickle
@@ -113,6 +116,61 @@ def _choose_backend(name):
     return name
 
 
+def _wait_for_listener(addr, port, timeout_s):
+    """Returns once rank 0's store accepts connections (bounded by timeout_s).
+
+    torch's TCPStore client sleeps a whole second after a refused connection, so ranks
+    that start together with rank 0 (the usual case under smprun) would each lose ~1 s
+    in smp.init. A plain connect, retried every few ms, finds the listener first; the
+    store then connects at once. A timeout here is left to the store's own connect,
+    which reports it.
+    """
+    import socket
+    import time
+    deadline = time.monotonic() + timeout_s
+    pause = 0.002
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+@contextlib.contextmanager
+def _event_driven_group_barrier():
+    """torch 1.13's init_process_group/new_group end with a store barrier that polls
+    every 10 ms; smp creates ~2 + world groups, so on a busy host that polling was
+    most of smp.init. Inside this context the barrier waits on a key that the last
+    rank to arrive sets (TCPStore wakes waiters at once). Same semantics: every rank
+    of the world checks in, bounded by the group's timeout. Only where torch's barrier
+    has 1.13's signature (torch 2.x synchronises groups its own way)."""
+    c10d = dist.distributed_c10d
+    orig = getattr(c10d, "_store_based_barrier", None)
+    if orig is None or list(inspect.signature(orig).parameters) != ["rank", "store", "timeout"]:
+        yield
+        return
+    count = itertools.count()
+
+    def barrier(rank, store, timeout):
+        key = f"smp/group_barrier/{next(count)}"
+        if store.add(key, 1) == c10d.get_world_size():
+            store.set(key + "/done", b"1")
+        try:
+            store.wait([key + "/done"], timeout)
+        except RuntimeError as exc:
+            raise SMPTimeoutError(
+                f"smp: timed out after {timeout} waiting for every rank to create process "
+                f"group #{key.rsplit('/', 1)[1]} (smp.init, rank {rank})") from exc
+
+    c10d._store_based_barrier = barrier
+    try:
+        yield
+    finally:
+        c10d._store_based_barrier = orig
+
+
 def init(config=None):
     """Initialises smp: config, process groups and rank layout.
 
@@ -149,30 +207,19 @@ def init(config=None):
         if port <= 0:
             raise ConfigError(f"smp: environment MASTER_PORT is not set (WORLD_SIZE={world}); "
                               "launch with smprun or torchrun")
+        if rank != 0:
+            _wait_for_listener(addr, port, timeout_s)
         # No waiting for workers here: the config exchange names any rank that is missing.
         store = dist.TCPStore(addr, port, world, rank == 0, timeout, wait_for_workers=False)
 
     cfg_json = _C.agree_config(store, rank, world, raw)
     cfg = json.loads(cfg_json)
-    if not dist.is_initialized():
-        dist.init_process_group(_choose_backend(cfg["backend"]), store=store, rank=rank,
-                                world_size=world, timeout=timeout)
     topo = _C.Topology(world, cfg["partitions"], cfg["placement_strategy"])
-
-    # Every rank creates every group, in the same order (torch requires it).
-    groups = {"world": dist.group.WORLD}
-    for ranks in topo.all_pp_groups():
-        pg = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            groups["pp"] = pg
-    for ranks in topo.all_dp_groups():
-        pg = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            groups["dp"] = pg
-    for r in range(world):
-        pg = dist.new_group([r], timeout=timeout)
-        if r == rank:
-            groups["tp"] = pg
+    with _event_driven_group_barrier():
+        if not dist.is_initialized():
+            dist.init_process_group(_choose_backend(cfg["backend"]), store=store, rank=rank,
+                                    world_size=world, timeout=timeout)
+        groups = _create_groups(topo, rank, world, timeout)
     _C.install(cfg_json, rank, world, local_rank, local_size, store,
                groups["world"], groups["pp"], groups["dp"])
     state.cfg = SimpleNamespace(**cfg)
@@ -186,12 +233,36 @@ def init(config=None):
     atexit.register(timeline.close)
 
 
+def _create_groups(topo, rank, world, timeout):
+    """Every rank creates every group, in the same order (torch requires it). A
+    one-rank group is created once per rank and serves as that rank's tp group and as
+    its pp or dp group when that is a singleton too (it has no peer to disagree with)."""
+    groups = {"world": dist.group.WORLD}
+    singles = {}
+    for r in range(world):
+        pg = dist.new_group([r], timeout=timeout)
+        singles[r] = pg
+        if r == rank:
+            groups["tp"] = pg
+    for kind, all_groups in (("pp", topo.all_pp_groups()), ("dp", topo.all_dp_groups())):
+        for ranks in all_groups:
+            ranks = list(ranks)
+            # Not the world group even when it has the same members: the reducer's comm
+            # thread and the main thread would then issue collectives on one group.
+            pg = singles[ranks[0]] if len(ranks) == 1 else dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                groups[kind] = pg
+    return groups
+
+
 def shutdown():
     """Tears down smp's groups (tests and scripts that re-initialise)."""
     if not state.initialized:
         return
     if state.model is not None and getattr(state.model, "_engine", None) is not None:
         state.model._engine.shutdown()
+        from smp import placement
+        placement.restore_classes(state.model._module_table or ())
     timeline.close()
     _C.shutdown()
     if dist.is_initialized():

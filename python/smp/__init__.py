@@ -10,6 +10,7 @@ from smp import amp
 from smp import ddp_comm_hooks
 from smp import model
 from smp.model import DistributedModel
+from smp.grad_norm import clip_grad_norm_
 from smp.optimizer import DistributedOptimizer
 from smp.partitioning import partition
 from smp.step import StepOutput, step
@@ -54,5 +55,5 @@ __all__ = [
     "barrier", "pp_barrier", "dp_barrier", "mp_barrier", "broadcast", "send",
     "recv_from", "allgather", "gather", "num_microbatches", "is_tracing", "amp",
     "DistributedModel", "DistributedOptimizer", "GradBucket", "ddp_comm_hooks", "StepOutput", "step", "partition", "model",
-    "__version__",
+    "clip_grad_norm_", "__version__",
 ]

@@ -17,7 +17,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from smp import _C, core
-from smp import tracer
+from smp import agreement, tracer
 
 __all__ = []
 
@@ -109,6 +109,8 @@ class DistributedModel(torch.nn.Module):
         self._owner = None          # module name -> pp rank (after partitioning)
         self._state_tensors = None  # the plain module's state, by key, in key order
         self._pending_state = None  # load_state_dict before partitioning
+        self._module_table = None   # (name, module) of the plain module, after partitioning
+        self._tied = None           # placement.TiedParameters (partitions > 1)
         core.state.model = self
 
     # --- wrapper plumbing -------------------------------------------------------------
@@ -128,12 +130,23 @@ class DistributedModel(torch.nn.Module):
 
     # --- the step ---------------------------------------------------------------------
 
-    def _run_step(self, fn, mb_inputs):
-        """Runs the step body once per microbatch; returns the per-microbatch results."""
+    def _run_step(self, fn, mb_inputs, input_error=None):
+        """Runs the step body once per microbatch; returns the per-microbatch results.
+
+        `input_error`: the inputs could not be split (mb_inputs is None); the error is
+        raised on every rank that shares the step (the first step's agreement, or the
+        pipeline's abort), not only here.
+        """
         if self._in_step:
             raise RuntimeError("smp: @smp.step functions cannot be nested")
         if not self.partitioned:
-            self._partition(fn, mb_inputs)
+            self._partition(fn, mb_inputs, input_error)
+        elif input_error is not None:
+            if core.pp_size() == 1:
+                raise input_error
+            if core.pp_rank() == 0:  # the driver tells every pp rank, then raises
+                self._engine.abort_step(input_error)
+            # Other pp ranks do not use their inputs: they serve the driver's step.
         elif self.broadcast_buffers and self._dp_reduce:
             self._broadcast(list(self.local_buffers()))
         self._steps += 1
@@ -158,8 +171,12 @@ class DistributedModel(torch.nn.Module):
             hook(self, core.state.optimizer)
         return results
 
-    def _partition(self, fn, mb_inputs):
+    def _partition(self, fn, mb_inputs, input_error=None):
         """First step: trace and partition (pp > 1), then sync the dp replicas."""
+        if core.size() > 1:
+            agreement.agree_on_first_step(self.module, input_error)
+        elif input_error is not None:
+            raise input_error
         self._state_tensors = self.module.state_dict(keep_vars=True)
         if core.pp_size() > 1:
             self._partition_pipeline(fn, mb_inputs)
@@ -179,21 +196,33 @@ class DistributedModel(torch.nn.Module):
         core.state.microbatch = mb
 
     def _trace(self, fn, mb_inputs):
-        """Runs the first microbatch through the whole model, recording the trace."""
+        """Runs the first microbatch through the whole model, recording the trace.
+
+        The trace leaves no trace: buffers (BatchNorm statistics, counters) and RNG
+        states are restored afterwards. A failure on any rank raises on every rank.
+        """
         trace = tracer.Trace(self.module, self.trace_execution_times, self.trace_memory_usage)
         args, kwargs = mb_inputs[0]
+        restore = agreement.snapshot_side_effects(self.module)
         core.state.tracing = True
         self._in_step = True
+        error = None
         try:
             with trace, torch.no_grad():
                 fn(*args, **kwargs)
+        except Exception as exc:  # reported to every rank below
+            error = exc
         finally:
             core.state.tracing = False
             self._in_step = False
-        mine = trace.nodes()
-        # pp rank 0's measurements decide (times differ between ranks); the structure
-        # stays each rank's own, so a model that differs between ranks is caught below.
-        ref = core.allgather(mine, core.CommGroup.MP_GROUP)[0]
+            restore()
+        mine = trace.nodes() if error is None else None
+        everyone = core.allgather((mine, agreement.error_of(error)), core.CommGroup.WORLD)
+        if error is not None:
+            raise error
+        agreement.raise_first_error([e for _, e in everyone], "tracing the model")
+        # pp rank 0's measurements decide (times differ between ranks).
+        ref = everyone[core.state.topology.pp_group(core.rank())[0]][0]
         if [r["name"] for r in ref] != [r["name"] for r in mine]:
             raise RuntimeError(f"smp: the model differs between pp ranks: {len(mine)} modules "
                                f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
@@ -201,7 +230,7 @@ class DistributedModel(torch.nn.Module):
         return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
 
     def _partition_pipeline(self, fn, mb_inputs):
-        from smp import pipeline
+        from smp import pipeline, placement
         records = self._trace(fn, mb_inputs)
         nodes, plan = tracer.make_plan(records)
         hashes = core.allgather(plan.hash, core.CommGroup.MP_GROUP)
@@ -211,67 +240,29 @@ class DistributedModel(torch.nn.Module):
         if core.rank() == 0:
             print("smp: partition plan\n" + plan.table(nodes), file=sys.stderr, flush=True)
         table = tracer.module_table(self.module)
-        owner = {id(m): plan.assignment[i] for i, (_, m, _) in enumerate(table)}
-        name_of = {id(m): name for name, m, _ in table}
         self._plan = [(name, plan.assignment[i], plan.node_cost[i])
                       for i, (name, _, _) in enumerate(table)]
         self._owner = {name: plan.assignment[i] for i, (name, _, _) in enumerate(table)}
         self._module_table = [(name, m) for name, m, _ in table]
-        me = core.pp_rank()
         engine = pipeline.Engine(self)
-        proxies = {}
-        for _, parent, _ in table:
-            if type(parent).forward is torch.nn.Sequential.forward:
-                self._coalesce_sequential(parent, owner, name_of, engine)
-            for slot, child in list(parent._modules.items()):
-                if child is None or id(child) not in owner or owner[id(child)] == owner[id(parent)]:
-                    continue
-                if id(child) not in proxies:
-                    proxies[id(child)] = pipeline.RemoteModule(name_of[id(child)],
-                                                               owner[id(child)], engine)
-                    if owner[id(child)] == me:
-                        engine.owned[name_of[id(child)]] = child
-                parent._modules[slot] = proxies[id(child)]
-        # Release what other ranks own: that is the point of model parallelism. The
-        # Parameter objects stay (an optimizer may hold them); their storage goes.
-        with torch.no_grad():
-            for name, m in self._module_table:
-                if owner[id(m)] == me:
-                    continue
-                for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-                    t.grad = None
+        self._tied = placement.apply(self._module_table, self._owner, engine, core.pp_rank())
+        self._tied.sync_values()
         self._engine = engine
-
-    # Note [Sequential segments]: a plain nn.Sequential calls its children one after the
-    # other, so a run of consecutive children owned by one other rank is sent as ONE
-    # remote call of the whole run (one round trip per microbatch instead of one per
-    # child). The run's first slot gets the segment's proxy, the others nn.Identity.
-    @staticmethod
-    def _coalesce_sequential(parent, owner, name_of, engine):
-        from smp import pipeline
-        slots = list(parent._modules.items())
-        i = 0
-        while i < len(slots):
-            j = i
-            o = owner.get(id(slots[i][1]))
-            while j + 1 < len(slots) and owner.get(id(slots[j + 1][1])) == o:
-                j += 1
-            if j > i and o is not None and o != owner[id(parent)]:
-                run = [m for _, m in slots[i:j + 1]]
-                seg_name = f"{name_of[id(run[0])]}..{name_of[id(run[-1])]}"
-                if o == core.pp_rank():
-                    engine.owned[seg_name] = torch.nn.Sequential(*run)
-                parent._modules[slots[i][0]] = pipeline.RemoteModule(seg_name, o, engine)
-                for slot, _ in slots[i + 1:j + 1]:
-                    parent._modules[slot] = torch.nn.Identity()
-            i = j + 1
 
     def _run_pipeline_step(self, fn, mb_inputs, sync_step):
         self._in_step = True
         self._backward_this_step = False
         try:
-            results, backward = self._engine.run_step(fn, mb_inputs)
+            self._tied.begin_step()
+            try:
+                results, backward = self._engine.run_step(fn, mb_inputs)
+            except BaseException:
+                self._tied.restore_grads()
+                raise
+            if backward:
+                self._tied.sum_grads()
+            else:
+                self._tied.restore_grads()
             if backward and sync_step and self._dp_reduce:
                 if self._reducer is None:
                     self._make_reducer()
@@ -481,6 +472,15 @@ class DistributedModel(torch.nn.Module):
                 if k in self._state_tensors and self._key_owner(k) == me:
                     self._state_tensors[k].copy_(v)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Clips gradients by the global norm over every partition (FSDP's name).
+
+        Call it on every rank after the step, before the optimizer. Returns the norm,
+        the same on every rank. See smp/grad_norm.py.
+        """
+        from smp import grad_norm
+        return grad_norm.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def partition_plan(self):
         """Module name -> {"partition": pp rank, "cost": normalized cost}."""

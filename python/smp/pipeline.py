@@ -1,7 +1,7 @@
 """Pipelined execution across partitions (pp > 1).
 
-A module owned by another pp rank is replaced in its parent by a `RemoteModule`
-proxy. Calling it sends a request (tensors by value, the rest pickled) through the C++
+Calling a module owned by another pp rank (routed by `smp.placement`) sends a
+request (tensors by value, the rest pickled) through the C++
 transport (`smp._C.P2PEngine`); the owner runs the module under autograd and answers
 with the outputs. `_RemoteCall` makes the call one node of the caller's autograd
 graph: its backward sends the output gradients to the owner and waits for the input
@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from smp import _C, core
+from smp import _C, core, placement
 from smp.step import same_sequence
 from smp.timeline import timeline
 
@@ -191,6 +191,7 @@ class Engine:
                                 core.pp_rank(), core.pp_size(), self.cfg.timeout_s,
                                 os.environ.get("MASTER_ADDR", "127.0.0.1"))
         self.owned = {}        # module name -> module (served here)
+        self.subtrees = {}     # module name -> its subtree's modules (mode flags)
         self.records = {}      # (caller, mb, call id) -> (input leaves, outputs)
         self.counters = {}     # mb -> next call id
         self.lock = threading.Lock()
@@ -246,7 +247,9 @@ class Engine:
         tensors = []
         skeleton = flatten((args, kwargs), tensors)
         grad = torch.is_grad_enabled()
-        call = _Call(self, name, owner, mb, self._next_call_id(mb), skeleton, tensors, grad)
+        flags = placement.mode_flags(self.subtrees[name])
+        call = _Call(self, name, owner, mb, self._next_call_id(mb), skeleton, tensors, grad,
+                     flags)
         if grad:
             outs = _RemoteCall.apply(call, _anchor(), *tensors)
             if not isinstance(outs, tuple):
@@ -262,7 +265,8 @@ class Engine:
         key = (msg.src, msg.mb, msg.call_id)
         try:
             if msg.kind == K.REQUEST:
-                name, skeleton, requires_grad, grad = pickle.loads(msg.meta)
+                name, skeleton, requires_grad, grad, flags = pickle.loads(msg.meta)
+                placement.apply_mode_flags(self.subtrees[name], flags)
                 with timeline.span(f"fwd {name}", mb=msg.mb):
                     inputs = [t.requires_grad_() if rg and grad else t
                               for t, rg in zip(msg.tensors, requires_grad)]
@@ -366,12 +370,22 @@ class Engine:
         every pp rank (the driver sends both with STEP_END)."""
         self.counters.clear()
         self.fwd_done = set()
-        self.num_mb = len(mb_inputs)
+        self.num_mb = self.cfg.microbatches
         self.epoch += 1
         self.p2p.begin_step(self.epoch)  # Note [Step epochs] in smp_core/p2p.h
         if core.pp_rank() == 0:
             return self._drive(fn, mb_inputs)
         return self._serve_step()
+
+    def abort_step(self, exc):
+        """On the driver: this step cannot start (a bad input). Every pp rank, serving
+        the step, raises `exc`'s message; so does the driver."""
+        self.epoch += 1
+        self.p2p.begin_step(self.epoch)
+        payload = _error_payload(exc)
+        for r in range(1, core.pp_size()):
+            self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
+        raise exc
 
     def _drive(self, fn, mb_inputs):
         num_mb = len(mb_inputs)
@@ -464,16 +478,17 @@ def _anchor():
 class _Call:
     """One remote call: its identity and the owner's answer."""
 
-    def __init__(self, engine, name, owner, mb, call_id, skeleton, tensors, grad):
+    def __init__(self, engine, name, owner, mb, call_id, skeleton, tensors, grad, flags):
         self.engine, self.name, self.owner, self.mb, self.call_id = engine, name, owner, mb, call_id
-        self.skeleton, self.grad = skeleton, grad
+        self.skeleton, self.grad, self.flags = skeleton, grad, flags
         self.requires_grad = [t.requires_grad for t in tensors]
         self.out_skeleton = None
         self.out_requires_grad = []
 
     def forward(self, tensors):
         e = self.engine
-        meta = pickle.dumps((self.name, self.skeleton, self.requires_grad, self.grad))
+        meta = pickle.dumps((self.name, self.skeleton, self.requires_grad, self.grad,
+                             self.flags))
         with timeline.span(f"call {self.name}", mb=self.mb):
             e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.REQUEST, meta,
                                               [t.detach() for t in tensors]))
@@ -516,19 +531,3 @@ class _RemoteCall(torch.autograd.Function):
         finally:
             _task.backward = prev
         return (None, None) + tuple(in_grads)
-
-
-class RemoteModule(torch.nn.Module):
-    """Stands in its parent for a module owned by pp rank `owner`."""
-
-    def __init__(self, name, owner, engine):
-        super().__init__()
-        self.smp_target = name
-        self.smp_owner = owner
-        self._engine = engine
-
-    def forward(self, *args, **kwargs):
-        return self._engine.call(self.smp_target, self.smp_owner, args, kwargs)
-
-    def extra_repr(self):
-        return f"'{self.smp_target}' on pp rank {self.smp_owner}"

@@ -61,6 +61,14 @@ def _split_tensor(t, num_mb, axis, where):
         raise ValueError(f"smp.step: input {where} has {t.dim()} dims; split axis {axis} is "
                          f"out of range (set input_split_axes)")
     size = t.size(axis)
+    if size == 0:
+        raise core.ConfigError(f"smp.step: input {where} has size 0 along axis {axis} "
+                               f"(shape {list(t.shape)}); a batch must hold at least "
+                               f"microbatches={num_mb} samples")
+    if size < num_mb:
+        raise core.ConfigError(f"smp.step: input {where} has batch size {size} along axis "
+                               f"{axis}, smaller than microbatches={num_mb} (allowed: a "
+                               f"multiple of {num_mb})")
     if size % num_mb != 0:
         raise ValueError(f"smp.step: input {where} has size {size} along axis {axis}, not "
                          f"divisible by microbatches={num_mb} (allowed: a multiple of "
@@ -152,9 +160,17 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
             raise RuntimeError("smp.step: no smp.DistributedModel exists; wrap the model "
                                "before calling a step function")
         num_mb = core.state.cfg.microbatches
-        mb_inputs = split_arguments(sig, args, kwargs, num_mb, non_split_inputs,
-                                    input_split_axes)
-        per_mb = model._run_step(fn, mb_inputs)
+        try:
+            mb_inputs = split_arguments(sig, args, kwargs, num_mb, non_split_inputs,
+                                        input_split_axes)
+            input_error = None
+        except ValueError as exc:
+            if core.size() == 1:
+                raise
+            # Raised on every rank that shares the step, not only here (a pp rank other
+            # than the driver does not use its inputs: it serves the driver's step).
+            mb_inputs, input_error = None, exc
+        per_mb = model._run_step(fn, mb_inputs, input_error)
         return collect_outputs(per_mb, detach_outputs)
 
     wrapper.smp_step = True

@@ -1,0 +1,70 @@
+"""Global gradient clipping over every partition of a DistributedModel.
+
+`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on one rank sees only the
+gradients that rank holds (parameters of other partitions have none), so its norm
+misses the rest of the model. Here each pp rank sums |g|^p over the parameters it
+counts (a tied parameter counts once, on its lowest holder), one allreduce over the pp
+group adds the partitions up (MAX for the inf-norm), and every rank scales its
+gradients by the same factor. dp replicas hold equal gradients after the reduction, so
+they are not summed again. Same arithmetic as torch 1.13's clip_grad_norm_:
+coef = max_norm / (norm + 1e-6), clamped to 1.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from smp import core
+
+__all__ = []
+
+
+def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """Clips the gradients of every partition of `model` by their global norm.
+
+    Args:
+        model: an smp.DistributedModel (partitioned or not).
+        max_norm: the largest norm allowed (> 0).
+        norm_type: p of the p-norm (a number > 0, or inf).
+        error_if_nonfinite: raise if the global norm is nan or inf.
+
+    Returns:
+        The global norm (a 0-d tensor), the same on every rank.
+
+    Raises:
+        ValueError: a bad max_norm or norm_type (on every rank: every rank checks).
+        RuntimeError: the norm is not finite and error_if_nonfinite is set.
+    """
+    try:
+        max_norm, norm_type = float(max_norm), float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"smp.clip_grad_norm_: max_norm={max_norm!r} and norm_type="
+                         f"{norm_type!r} must be numbers") from None
+    if not max_norm > 0 and not math.isinf(max_norm):
+        raise ValueError(f"smp.clip_grad_norm_: max_norm={max_norm} is not a number > 0")
+    if not norm_type > 0:
+        raise ValueError(f"smp.clip_grad_norm_: norm_type={norm_type} is not a number > 0 "
+                         "or inf")
+    params = [p for p in model.local_parameters() if p.grad is not None]
+    tied = getattr(model, "_tied", None)
+    counted = [p for p in params if tied is None or tied.is_counted_here(p)]
+    device = params[0].grad.device if params else torch.device("cpu")
+    grads = [p.grad.detach() for p in counted]
+    if math.isinf(norm_type):
+        local = (torch.stack([g.abs().max().to(device) for g in grads]).max() if grads
+                 else torch.zeros((), device=device))
+    else:
+        local = (torch.stack([torch.norm(g, norm_type).to(device) for g in grads])
+                 .pow(norm_type).sum() if grads else torch.zeros((), device=device))
+    if core.pp_size() > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        local = local.float() if local.dtype not in (torch.float32, torch.float64) else local
+        dist.all_reduce(local, op=op, group=core.get_pp_process_group())
+    total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"smp.clip_grad_norm_: the total norm of order {norm_type} of the "
+                           "gradients is non-finite, so it cannot be clipped")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.device))
+    return total

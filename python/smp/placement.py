@@ -1,0 +1,302 @@
+"""Applying a partition plan to the user's module, in place.
+
+The module tree stays the user's: every module keeps its class, attributes,
+parameters, buffers and hooks, on every rank. What changes is where a module runs:
+
+- Calling a module that another pp rank owns sends the call to its owner. The
+  module's class is swapped for a subclass of it whose `__call__` routes the call
+  (Note [Routing by class]); `isinstance`, attribute access and `repr` keep working.
+- A plain `nn.Sequential` run of consecutive children owned by one other rank goes
+  as one remote call (Note [Sequential segments]).
+- A parameter (or buffer) is kept on every rank that owns a module holding it
+  directly, and its storage is released elsewhere. A parameter held on several pp
+  ranks is *tied* (an output projection sharing the embedding's weight): its copies
+  start equal (`TiedParameters.sync_values`) and its gradient is summed across its
+  holders after every step (`TiedParameters.sum_grads`).
+- The train/eval mode of a module's whole subtree travels with every remote call,
+  so the owner runs it in the mode the caller has (Note [Mode travels with the call]).
+"""
+import torch
+import torch.distributed as dist
+
+from smp import core
+
+__all__ = []
+
+# id(module) -> (engine, name, owner): modules whose calls go to another rank.
+_routes = {}
+# id(nn.Sequential) -> list of (kind, value): "local" module or "remote" (name, owner).
+_segments = {}
+_remote_classes = {}
+_segmented_classes = {}
+
+
+# Note [Routing by class]: a module owned by another rank must not run here, yet it
+# must stay in its parent (users reach `model.module.head.weight`, optimizers hold its
+# Parameters, `state_dict()` lists it). Swapping its class for a subclass whose
+# `__call__` sends the call keeps every attribute and `isinstance`, and skips this
+# rank's copy of its hooks (they run on the owner, where the module really runs). A
+# copy of the module (deepcopy) is not in the route table and runs as usual.
+def _remote_call(self, *args, **kwargs):
+    route = _routes.get(id(self))
+    if route is None:
+        return type(self).__mro__[1].__call__(self, *args, **kwargs)
+    engine, name, owner = route
+    return engine.call(name, owner, args, kwargs)
+
+
+def _remote_class(cls):
+    sub = _remote_classes.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"__call__": _remote_call, "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__,
+                                           "_smp_remote": True})
+        _remote_classes[cls] = sub
+    return sub
+
+
+def _segmented_forward(self, x):
+    for kind, value in _segments[id(self)]:
+        if kind == "local":
+            x = value(x)
+        else:
+            engine, name, owner = value
+            x = engine.call(name, owner, (x,), {})
+    return x
+
+
+def _segmented_class(cls):
+    sub = _segmented_classes.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"forward": _segmented_forward,
+                                           "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__})
+        _segmented_classes[cls] = sub
+    return sub
+
+
+def _swap_class(module, make):
+    base = type(module)
+    if getattr(base, "_smp_remote", False) or base in _segmented_classes.values():
+        return  # already routed (a module reachable under two names)
+    module.__class__ = make(base)
+
+
+def restore_classes(table):
+    """Undoes the class swaps (tests, re-initialisation)."""
+    for _, m in table:
+        _routes.pop(id(m), None)
+        _segments.pop(id(m), None)
+        base = type(m)
+        if getattr(base, "_smp_remote", False) or base in _segmented_classes.values():
+            m.__class__ = base.__mro__[1]
+
+
+def subtree(table, name):
+    """Modules of `table` at `name` and below, in table order."""
+    prefix = name + "."
+    return [m for n, m in table if n == name or not name or n.startswith(prefix)]
+
+
+# Note [Mode travels with the call]: `model.train()`/`eval()` (or a user's
+# `model.module.encoder.dropout.eval()`) sets flags on this rank's copies of the
+# modules. Each remote call carries the flags of the called module's subtree (one
+# byte per module), and the owner sets them on its copies before running it, so the
+# mode in force where the call is made is the mode the owner runs with, per call.
+def mode_flags(modules):
+    return bytes(m.training for m in modules)
+
+
+def apply_mode_flags(modules, flags):
+    for m, f in zip(modules, flags):
+        m.training = bool(f)
+
+
+class TiedParameters:
+    """Parameters and buffers held on more than one pp rank, and how to keep them equal.
+
+    `entries`: (name, tensor, holders) in the plain module's order; `holders` are the pp
+    ranks owning a module that holds the tensor directly. Every pp rank builds the same
+    list (the plan and the module tree are the same on every rank), so the collectives
+    below are issued in the same order everywhere.
+    """
+
+    def __init__(self, entries, me):
+        self.entries = entries
+        self.me = me
+        self._stash = []
+
+    def __len__(self):
+        return len(self.entries)
+
+    def __bool__(self):
+        return True  # an empty set still answers begin_step/sum_grads (as no-ops)
+
+    def names(self):
+        return [name for name, _, _ in self.entries]
+
+    def is_counted_here(self, tensor):
+        """Whether this rank counts `tensor` in global reductions (norms): its lowest
+        holder does, so a tied parameter counts once."""
+        for _, t, holders in self.entries:
+            if t is tensor:
+                return holders[0] == self.me
+        return True
+
+    def _allreduce(self, t):
+        dist.all_reduce(t, group=core.get_pp_process_group())
+
+    def sync_values(self):
+        """Copies each tied tensor from its lowest holder to the others (after
+        partitioning and after loading state), so the copies start equal."""
+        with torch.no_grad():
+            for _, t, holders in self.entries:
+                mine = self.me in holders
+                buf = t.detach().clone() if mine and holders[0] == self.me else None
+                if buf is None:
+                    shape = t.shape if mine else self._shape_of(t)
+                    buf = torch.zeros(shape, dtype=t.dtype, device=t.device)
+                self._allreduce(buf)
+                if mine:
+                    t.copy_(buf)
+
+    def _shape_of(self, t):
+        return self._shapes[id(t)]
+
+    def remember_shapes(self):
+        self._shapes = {id(t): t.shape for _, t, _ in self.entries}
+
+    def begin_step(self):
+        """Sets each held tied parameter's gradient aside, so the step's backward
+        leaves only this step's contribution in .grad (see sum_grads)."""
+        self._stash = []
+        for _, t, holders in self.entries:
+            if self.me in holders and isinstance(t, torch.nn.Parameter):
+                self._stash.append(t.grad)
+                t.grad = None
+            else:
+                self._stash.append(None)
+
+    def restore_grads(self):
+        """Puts back what begin_step set aside (a step without backward, or a failed one)."""
+        for (_, t, holders), before in zip(self.entries, self._stash):
+            if self.me in holders and isinstance(t, torch.nn.Parameter):
+                t.grad = before if t.grad is None or before is None else before.add_(t.grad)
+        self._stash = []
+
+    # Summing only this step's contribution keeps gradient accumulation right: what
+    # .grad held before the step was already summed (and is equal on every holder).
+    def sum_grads(self):
+        """After the step's backward on every pp rank: each tied parameter's gradient
+        becomes (what it held before the step) + (the sum over its holders of this
+        step's contribution)."""
+        with torch.no_grad():
+            for (_, t, holders), before in zip(self.entries, self._stash):
+                if not isinstance(t, torch.nn.Parameter) or not t.requires_grad:
+                    continue
+                mine = self.me in holders
+                shape = t.shape if mine else self._shape_of(t)
+                flat = torch.zeros(int(torch.Size(shape).numel()) + 1, dtype=t.dtype,
+                                   device=t.device)
+                if mine and t.grad is not None:
+                    flat[:-1].copy_(t.grad.reshape(-1))
+                    flat[-1] = 1
+                self._allreduce(flat)
+                if not mine:
+                    continue
+                if flat[-1] > 0:
+                    step = flat[:-1].reshape(shape)
+                    t.grad = step if before is None else before.add_(step)
+                else:
+                    t.grad = before
+        self._stash = []
+
+
+def find_tied(table, owner_of, me):
+    """Tensors held directly by modules of more than one pp rank."""
+    holders, first_name, tensors = {}, {}, {}
+    for name, m in table:
+        for tname, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is None:
+                continue
+            holders.setdefault(id(t), set()).add(owner_of[name])
+            first_name.setdefault(id(t), f"{name}.{tname}" if name else tname)
+            tensors[id(t)] = t
+    entries = [(first_name[k], tensors[k], sorted(h)) for k, h in holders.items() if len(h) > 1]
+    return TiedParameters(entries, me), holders
+
+
+def _is_plain_sequential(module):
+    return type(module).forward is torch.nn.Sequential.forward
+
+
+def _sequential_runs(parent, by_id, owner_of):
+    """Maximal runs of consecutive children with one owner: [(owner, [children])]."""
+    runs = []
+    for c in parent._modules.values():
+        if c is None:
+            continue
+        o = owner_of[by_id[id(c)]]
+        if runs and runs[-1][0] == o:
+            runs[-1][1].append(c)
+        else:
+            runs.append((o, [c]))
+    return runs
+
+
+def apply(table, owner_of, engine, me):
+    """Applies the plan to the module tree in place; fills `engine.owned` and
+    `engine.subtrees`. Returns the TiedParameters.
+
+    Args:
+        table: (name, module) of every unique module in pre-order.
+        owner_of: module name -> pp rank.
+        engine: the pipeline Engine of this rank.
+        me: this rank's pp rank.
+    """
+    by_id = {id(m): name for name, m in table}
+    sequentials = [(n, m) for n, m in table if _is_plain_sequential(m)]
+    for name, m in table:
+        engine.subtrees[name] = subtree(table, name)
+        if owner_of[name] == me:
+            engine.owned[name] = m
+        else:
+            _routes[id(m)] = (engine, name, owner_of[name])
+            _swap_class(m, _remote_class)
+    for pname, parent in sequentials:
+        _segment_sequential(pname, parent, by_id, owner_of, engine, me, table)
+    tied, holders = find_tied(table, owner_of, me)
+    tied.remember_shapes()
+    # Release what only other ranks hold: that is the point of model parallelism. The
+    # Parameter objects stay (an optimizer may hold them); their storage goes.
+    with torch.no_grad():
+        for _, m in table:
+            for t in list(m._parameters.values()) + list(m._buffers.values()):
+                if t is not None and me not in holders[id(t)] and t.numel() > 0:
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    t.grad = None
+    return tied
+
+
+# Note [Sequential segments]: a plain nn.Sequential calls its children one after the
+# other, so a run of consecutive children owned by one other rank is sent as ONE
+# remote call of the whole run (one round trip per microbatch instead of one per
+# child). The Sequential's owner runs it through a plan of local children and remote
+# segments; the run's owner serves the segment as an nn.Sequential of the run; each
+# child alone still routes itself when called directly elsewhere.
+def _segment_sequential(pname, parent, by_id, owner_of, engine, me, table):
+    plan, coalesced = [], False
+    for o, run in _sequential_runs(parent, by_id, owner_of):
+        if o == owner_of[pname] or len(run) == 1:
+            plan.extend(("local", c) for c in run)
+            continue
+        names = [by_id[id(c)] for c in run]
+        seg = f"{names[0]}..{names[-1]}"
+        engine.subtrees[seg] = [m for n in names for m in subtree(table, n)]
+        if o == me:
+            engine.owned[seg] = torch.nn.Sequential(*run)
+        plan.append(("remote", (engine, seg, o)))
+        coalesced = True
+    if coalesced and owner_of[pname] == me:
+        _segments[id(parent)] = plan
+        _swap_class(parent, _segmented_class)

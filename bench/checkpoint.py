@@ -6,7 +6,7 @@ rank saves and loads its ~100 MB part. smp's save includes sealing (XXH3 of the 
 manifest), fsync of the file, the rename and fsync of the directory; its load reads and
 verifies every byte before unpickling. torch's save gets the same fsync (file and
 directory), so both pay for the disk alike; torch's save without fsync is reported too.
-Rounds alternate smp and torch; medians, the slower rank counts. One JSON line.
+Rounds alternate which of smp and torch goes first; medians, the slower rank counts. One JSON line.
 
     PYTHONPATH=build/python /usr/bin/python3 bench/checkpoint.py [--rounds 5] [--dir DIR]
 """
@@ -70,21 +70,30 @@ def worker(args):
         out = fn()
         return (time.perf_counter() - t) * 1e3, out
 
-    times = {k: [] for k in ("smp_save", "torch_save", "torch_save_nosync", "smp_load",
-                             "torch_load")}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        res = {"torch_save": timed(torch_save)[0], "smp_save": timed(smp_save)[0],
-               "torch_save_nosync": timed(torch_save_nosync)[0]}
-        t_ms, got_t = timed(lambda: torch.load(torch_f))
-        s_ms, got_s = timed(lambda: smp.load(smp_f, partial=True))
-        res.update(torch_load=t_ms, smp_load=s_ms)
+    def check(got):
         for k, v in sd.items():
             if torch.is_tensor(v):
-                assert torch.equal(got_s[k], v) and torch.equal(got_t[k], v), k
-        del got_s, got_t
+                assert torch.equal(got[k], v), k
+
+    # Each result is dropped before the next load (neither side gets the other's freed
+    # memory), the order alternates, and nothing leaves dirty pages behind for the
+    # other side's fsync to flush (the unsynced torch.save runs last, once).
+    times = {k: [] for k in ("smp_save", "torch_save", "smp_load", "torch_load")}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        res = {}
+        order = ["smp", "torch"] if r % 2 else ["torch", "smp"]
+        for who in order:
+            res[f"{who}_save"] = timed(smp_save if who == "smp" else torch_save)[0]
+        for who in order:
+            ms, got = timed((lambda: smp.load(smp_f, partial=True)) if who == "smp"
+                            else (lambda: torch.load(torch_f)))
+            check(got)
+            del got
+            res[f"{who}_load"] = ms
         if r:
             for k, v in res.items():
                 times[k].append(v)
+    times["torch_save_nosync"] = [timed(torch_save_nosync)[0]]
     med = {k: statistics.median(v) for k, v in times.items()}
     allm = smp.allgather(med)
     if smp.rank() == 0:

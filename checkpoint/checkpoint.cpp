@@ -212,8 +212,10 @@ void publish(const std::string& tmp_path, const std::string& final_path, bool ke
 }
 
 void drop_previous(const std::string& final_path) {
+  // Not made durable: a `.prev` that survives a crash only offers an older whole
+  // generation, and readers take the newest (one directory fsync saved per part).
   const std::string prev = final_path + ".prev";
-  if (::unlink(prev.c_str()) == 0) fsync_dir(final_path);
+  ::unlink(prev.c_str());
 }
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {

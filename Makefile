@@ -6,7 +6,7 @@ JOBS        ?= $(shell nproc)
 # Debian packages the project builds and runs with (see README: "Dependencies").
 DEB_PACKAGES := cmake g++ make ninja-build libtorch-dev python3-torch libgloo-dev pybind11-dev \
                 libboost-serialization-dev libgtest-dev python3-pytest libopenblas0-pthread \
-                libcli11-dev nlohmann-json3-dev procps iproute2
+                libcli11-dev nlohmann-json3-dev libxxhash-dev procps iproute2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all deps build test test-cpp test-python demo bench install clean

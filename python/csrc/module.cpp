@@ -10,4 +10,7 @@ PYBIND11_MODULE(_C, m) {
 #ifdef SMP_HAVE_SMP_PARTITION
   smp::python::bind_partition(m);
 #endif
+#ifdef SMP_HAVE_SMP_CHECKPOINT
+  smp::python::bind_checkpoint(m);
+#endif
 }

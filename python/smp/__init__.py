@@ -7,6 +7,7 @@ import torch  # noqa: F401  (must precede smp._C: it registers torch's pybind11 
 
 from smp import _C
 from smp import amp
+from smp import checkpoint
 from smp import ddp_comm_hooks
 from smp import model
 from smp.model import DistributedModel
@@ -14,6 +15,9 @@ from smp.grad_norm import clip_grad_norm_
 from smp.optimizer import DistributedOptimizer
 from smp.partitioning import partition
 from smp.step import StepOutput, step
+from smp.checkpoint import (
+    CheckpointError, load, resume_from_checkpoint, save, save_checkpoint,
+)
 from smp.core import (
     CommGroup, ConfigError, RankType, allgather, barrier, broadcast, dp_barrier, dp_rank,
     dp_size, gather, get_dp_group, get_dp_process_group, get_mp_group,
@@ -55,5 +59,8 @@ __all__ = [
     "barrier", "pp_barrier", "dp_barrier", "mp_barrier", "broadcast", "send",
     "recv_from", "allgather", "gather", "num_microbatches", "is_tracing", "amp",
     "DistributedModel", "DistributedOptimizer", "GradBucket", "ddp_comm_hooks", "StepOutput", "step", "partition", "model",
-    "clip_grad_norm_", "__version__",
+    "clip_grad_norm_", "__version__", "CheckpointError", "save", "load", "save_checkpoint",
+    "resume_from_checkpoint",
 ]
+
+checkpoint._register_hook_pickling()

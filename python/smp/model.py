@@ -14,10 +14,10 @@ Gradient averaging (explicit, see docs/data_parallel.md):
 import sys
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from smp import _C, core
 from smp import agreement, tracer
+from smp.model_state import ModelStateMixin
 
 __all__ = []
 
@@ -31,7 +31,7 @@ def _check_arg(name, value, ok, allowed):
         raise ValueError(f"smp.DistributedModel: argument '{name}'={value!r} is not {allowed}")
 
 
-class DistributedModel(torch.nn.Module):
+class DistributedModel(ModelStateMixin, torch.nn.Module):
     """Wraps `module` for model parallelism (partitions) and data parallelism (ddp).
 
     Args:
@@ -184,9 +184,7 @@ class DistributedModel(torch.nn.Module):
             # Deferred to the first step, not wrap time (SMP semantics).
             self._broadcast(list(self.local_parameters()) + list(self.local_buffers()))
         self.partitioned = True
-        if self._pending_state is not None:
-            self.load_state_dict(self._pending_state[0], self._pending_state[1])
-            self._pending_state = None
+        self._apply_pending_state()  # deferred model/optimizer loads (model_state.py)
         for hook in list(self._post_partition_hooks.values()):
             hook(self, core.state.optimizer)
 
@@ -373,16 +371,6 @@ class DistributedModel(torch.nn.Module):
             raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
         self._comm_hook = (state, hook)
 
-    def register_post_partition_hook(self, hook):
-        handle = RemovableHandle(self._post_partition_hooks)
-        self._post_partition_hooks[handle.id] = hook
-        return handle
-
-    def register_post_step_hook(self, hook):
-        handle = RemovableHandle(self._post_step_hooks)
-        self._post_step_hooks[handle.id] = hook
-        return handle
-
     # --- local views and state --------------------------------------------------------
 
     def _is_local(self, module_name):
@@ -420,58 +408,6 @@ class DistributedModel(torch.nn.Module):
 
     def _key_owner(self, key):
         return self._owner[key.rsplit(".", 1)[0] if "." in key else ""]
-
-    def local_state_dict(self, *args, **kwargs):
-        """This rank's part of the state dict, with key `_smp_is_partial`."""
-        if self._owner is None:
-            sd = self.module.state_dict(*args, **kwargs)
-        else:
-            me = core.pp_rank()
-            sd = {k: v.detach() for k, v in self._state_tensors.items()
-                  if self._key_owner(k) == me}
-        sd["_smp_is_partial"] = core.pp_size() > 1
-        return sd
-
-    def state_dict(self, *args, **kwargs):
-        """The full model's state dict, with exactly the plain module's keys.
-
-        With partitions > 1 this gathers every pp rank's part: call it on every rank of
-        the mp group (SMP v1: on every rank with dp_rank() == 0).
-        """
-        if self._owner is None:
-            return self.module.state_dict(*args, **kwargs)
-        parts = core.allgather(self.local_state_dict(), core.CommGroup.MP_GROUP)
-        merged = {}
-        for part in parts:
-            merged.update(part)
-        from collections import OrderedDict
-        return OrderedDict((k, merged[k]) for k in self._state_tensors)
-
-    def load_state_dict(self, state_dict, strict=True):
-        """Loads a full or partial state dict (partial: keys of this rank only).
-
-        Before the first step (partitioning) the load is deferred until then.
-        """
-        state_dict = dict(state_dict)
-        partial = bool(state_dict.pop("_smp_is_partial", False))
-        if self._owner is None and core.pp_size() > 1:
-            self._pending_state = (state_dict, strict)
-            return None
-        if self._owner is None:
-            return self.module.load_state_dict(state_dict, strict)
-        me = core.pp_rank()
-        missing = [k for k in self._state_tensors
-                   if self._key_owner(k) == me and k not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._state_tensors]
-        if strict and (missing or unexpected or (not partial and any(
-                k not in state_dict for k in self._state_tensors))):
-            raise RuntimeError(f"smp: load_state_dict: missing keys {missing}, unexpected "
-                               f"keys {unexpected}")
-        with torch.no_grad():
-            for k, v in state_dict.items():
-                if k in self._state_tensors and self._key_owner(k) == me:
-                    self._state_tensors[k].copy_(v)
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clips gradients by the global norm over every partition (FSDP's name).

@@ -1,28 +1,135 @@
 """`smp.DistributedOptimizer`: returns the user's optimizer itself, with the SMP v1
 state methods added, so it stays a torch.optim.Optimizer (LR schedulers keep working)
 and keeps the Parameter objects it was built on.
+
+State dicts:
+- `local_state_dict()`: this pp rank's parameters only, keyed by parameter NAME (the
+  model's `named_parameters`), marked `_smp_is_partial` and `_smp_by_name`; so a
+  partial checkpoint loads into a job partitioned differently.
+- `state_dict()`: the whole model's optimizer state in torch's own format (keyed by
+  position, which is the same in every job running the same code): a plain torch
+  optimizer over the unwrapped module's parameters loads it.
+- `load_state_dict()` takes either; each rank keeps the state of its own parameters,
+  taking entries other ranks read from the checkpoint (model_state.exchange).
 """
 import types
 
+import torch
+
 from smp import core
+from smp import model_state
 
 __all__ = []
 
+_BY_NAME = "_smp_by_name"
 
-def _local_state_dict(self):
-    sd = self._smp_orig_state_dict()
-    sd["_smp_is_partial"] = core.pp_size() > 1
+
+def _param_names(opt):
+    """Name of each of the optimizer's parameters, in torch's state_dict order."""
+    model = core.state.model
+    names = {}
+    if model is not None:
+        # The plain module's names, taken before partitioning replaced remote children.
+        named = model._state_tensors.items() if model._state_tensors is not None \
+            else model.module.named_parameters()
+        for name, p in named:
+            if isinstance(p, torch.nn.Parameter):
+                names.setdefault(id(p), name)
+    out = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            out.append(names.get(id(p), f"_smp_param_{len(out)}"))
+    return out
+
+
+def _local_ids():
+    model = core.state.model
+    if model is None or model._owner is None:
+        return None  # everything is local
+    return {id(p) for p in model.local_parameters()}
+
+
+def _to_names(self, sd):
+    """torch's positional dict -> {"state": {name: s}, "param_groups": [... names]}."""
+    names = _param_names(self)
+    state = {names[i]: s for i, s in sd["state"].items()}
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
+    sd = _to_names(self, self._smp_orig_state_dict())
+    local = _local_ids()
+    if local is not None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        names = _param_names(self)
+        keep = {n for n, p in zip(names, params) if id(p) in local}
+        sd["state"] = {n: s for n, s in sd["state"].items() if n in keep}
+        sd["param_groups"] = [dict(g, params=[n for n in g["params"] if n in keep])
+                              for g in sd["param_groups"]]
+    if cast_to_cpu:
+        sd["state"] = {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                       for n, s in sd["state"].items()}
+    sd[model_state.PARTIAL_KEY] = core.pp_size() > 1
+    sd[_BY_NAME] = True
     return sd
 
 
-def _state_dict(self):
-    return self._smp_orig_state_dict()
+def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
+    if _local_ids() is None:
+        return self._smp_orig_state_dict()
+    local = _local_state_dict(self, cast_to_cpu=cast_to_cpu)
+    if gather_to_rank0:
+        parts = model_state.gather_to_pp0(local)
+        if parts is None:
+            return {}
+    else:
+        parts = core.allgather(local, core.CommGroup.MP_GROUP)
+    state = {}
+    for part in parts:
+        state.update(part["state"])
+    names = _param_names(self)
+    index = {n: i for i, n in enumerate(names)}
+    groups = self._smp_orig_state_dict()["param_groups"]
+    return {"state": {index[n]: s for n, s in state.items() if n in index},
+            "param_groups": groups}
 
 
 def _load_state_dict(self, state_dict):
-    state_dict = dict(state_dict)
-    state_dict.pop("_smp_is_partial", None)
-    return self._smp_orig_load_state_dict(state_dict)
+    if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+        raise ValueError("smp: DistributedOptimizer.load_state_dict: not an optimizer state "
+                         "dict (no 'param_groups')")
+    model = core.state.model
+    if model is not None and model._owner is None and core.pp_size() > 1:
+        self._smp_pending_state = state_dict  # loaded after partitioning (SMP v1)
+        return None
+    sd = dict(state_dict)
+    partial = bool(sd.pop(model_state.PARTIAL_KEY, False))
+    if not sd.pop(_BY_NAME, False):
+        sd = _to_names(self, sd)
+    names = _param_names(self)
+    params = [p for g in self.param_groups for p in g["params"]]
+    local = _local_ids()
+    needed = [n for n, p in zip(names, params) if local is None or id(p) in local]
+    state = dict(sd["state"])
+    if partial:
+        got, _ = model_state.exchange(state, needed)
+        state.update(got)
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(self.param_groups):
+        raise ValueError(f"smp: optimizer state has {len(saved_groups)} parameter groups, this "
+                         f"optimizer {len(self.param_groups)} (rank {core.rank()})")
+    torch_sd = {"state": {}, "param_groups": []}
+    i = 0
+    needed_set = set(needed)
+    for saved, group in zip(saved_groups, self.param_groups):
+        idx = list(range(i, i + len(group["params"])))
+        i += len(idx)
+        torch_sd["param_groups"].append(dict(saved, params=idx))
+    for j, n in enumerate(names):
+        if n in needed_set and n in state:
+            torch_sd["state"][j] = state[n]
+    return self._smp_orig_load_state_dict(torch_sd)
 
 
 def DistributedOptimizer(optimizer):  # noqa: N802  (SMP v1 name)
@@ -34,13 +141,13 @@ def DistributedOptimizer(optimizer):  # noqa: N802  (SMP v1 name)
     Returns:
         The same optimizer object.
     """
-    import torch
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"smp.DistributedOptimizer: optimizer={optimizer!r} is not a "
                          "torch.optim.Optimizer")
     if not hasattr(optimizer, "_smp_orig_state_dict"):
         optimizer._smp_orig_state_dict = optimizer.state_dict
         optimizer._smp_orig_load_state_dict = optimizer.load_state_dict
+        optimizer._smp_pending_state = None
         optimizer.state_dict = types.MethodType(_state_dict, optimizer)
         optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)
         optimizer.local_state_dict = types.MethodType(_local_state_dict, optimizer)

@@ -1,0 +1,375 @@
+#include "checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <sstream>
+
+#include "checkpoint/detail/zip_index.h"
+#include "smp_core/errors.h"
+
+namespace smp::checkpoint {
+namespace {
+
+constexpr char kMagic[9] = "SMPCKPT1";
+constexpr size_t kFooter = 24;
+constexpr size_t kEocd = 22;
+constexpr size_t kMaxTrailer = 0xFFFF;  // the zip comment length is 16 bits
+constexpr size_t kChunk = 8 << 20;      // hashed while still in cache
+
+std::string sys_error(const std::string& what, const std::string& path) {
+  return str_cat("smp: checkpoint '", path, "': ", what, ": ", std::strerror(errno));
+}
+
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  Fd(const Fd&) = delete;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+uint64_t le64(const unsigned char* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+void put64(std::string& s, uint64_t v) {
+  for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
+}
+
+void pread_all(int fd, void* buf, size_t n, uint64_t off, const std::string& path) {
+  auto* p = static_cast<char*>(buf);
+  while (n > 0) {
+    ssize_t r = ::pread(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw CheckpointError(sys_error("read failed", path));
+    if (r == 0) throw CheckpointError(str_cat("smp: checkpoint '", path, "': truncated at byte ", off));
+    p += r;
+    off += static_cast<uint64_t>(r);
+    n -= static_cast<size_t>(r);
+  }
+}
+
+void pwrite_all(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
+  auto* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    ssize_t r = ::pwrite(fd, p, n, static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw CheckpointError(sys_error("write failed", path));
+    p += r;
+    off += static_cast<uint64_t>(r);
+    n -= static_cast<size_t>(r);
+  }
+}
+
+std::string dir_of(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+void fsync_dir(const std::string& path) {
+  Fd d(::open(dir_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.fd < 0) throw CheckpointError(sys_error("cannot open directory", dir_of(path)));
+  if (::fsync(d.fd) != 0) throw CheckpointError(sys_error("fsync of directory failed", dir_of(path)));
+}
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+struct Hasher {
+  XXH3_state_t* st = XXH3_createState();
+  Hasher() { XXH3_64bits_reset(st); }
+  ~Hasher() { XXH3_freeState(st); }
+  void update(const void* p, size_t n) { XXH3_64bits_update(st, p, n); }
+  uint64_t digest() const { return XXH3_64bits_digest(st); }
+};
+
+// The trailer of `fd`: manifest, with its payload bounds checked against the size.
+Manifest read_trailer(int fd, const std::string& path, uint64_t* size_out) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) throw CheckpointError(sys_error("stat failed", path));
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  *size_out = size;
+  if (size < kFooter + kEocd) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': only ", size,
+                                  " bytes, no smp trailer (truncated, or not written by smp.save)"));
+  }
+  unsigned char foot[kFooter];
+  pread_all(fd, foot, kFooter, size - kFooter, path);
+  if (std::memcmp(foot + 16, kMagic, 8) != 0) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': no smp trailer at the end of its ",
+                                  size, " bytes (truncated, or not written by smp.save)"));
+  }
+  const uint64_t mlen = le64(foot), mhash = le64(foot + 8);
+  if (mlen + kFooter > kMaxTrailer || mlen + kFooter + kEocd > size) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': trailer damaged (manifest length ",
+                                  mlen, ")"));
+  }
+  std::string text(mlen, '\0');
+  pread_all(fd, text.data(), mlen, size - kFooter - mlen, path);
+  if (XXH3_64bits(text.data(), text.size()) != mhash) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': manifest checksum mismatch (file altered)"));
+  }
+  Manifest m = Manifest::decode(text, path);
+  if (m.format_version != kFormatVersion) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': format version ", m.format_version,
+                                  " is not supported (this smp reads version ", kFormatVersion, ")"));
+  }
+  const uint64_t trailer = mlen + kFooter;
+  if (m.payload_size + trailer != size) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': ", size, " bytes but the manifest says ",
+                                  m.payload_size + trailer, " (truncated or extended)"));
+  }
+  unsigned char clen[2];
+  pread_all(fd, clen, 2, m.payload_size - 2, path);
+  if (static_cast<uint64_t>(clen[0] | (clen[1] << 8)) != trailer) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': zip comment length does not match the trailer"));
+  }
+  return m;
+}
+
+}  // namespace
+
+void seal(const std::string& tmp_path, Manifest& m) {
+  Fd f(::open(tmp_path.c_str(), O_RDWR | O_CLOEXEC));
+  if (f.fd < 0) throw CheckpointError(sys_error("cannot open", tmp_path));
+  struct stat st;
+  if (::fstat(f.fd, &st) != 0) throw CheckpointError(sys_error("stat failed", tmp_path));
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < kEocd) throw CheckpointError(str_cat("smp: checkpoint '", tmp_path, "': not a zip"));
+  unsigned char eocd[kEocd];
+  pread_all(f.fd, eocd, kEocd, size - kEocd, tmp_path);
+  if (!(eocd[0] == 'P' && eocd[1] == 'K' && eocd[2] == 5 && eocd[3] == 6 && eocd[20] == 0 &&
+        eocd[21] == 0)) {
+    throw CheckpointError(str_cat("smp: checkpoint '", tmp_path,
+                                  "': torch.save did not end with a comment-less zip end record"));
+  }
+  // Hash what torch wrote, through a read-only mapping of the pages it just wrote.
+  Hasher h;
+  const uint64_t hashed = size - 2;
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, f.fd, 0);
+  if (map == MAP_FAILED) throw CheckpointError(sys_error("mmap failed", tmp_path));
+  h.update(map, hashed);
+  ::munmap(map, size);
+  m.payload_size = size;
+  m.payload_hash = h.digest();
+  std::string trailer = m.encode();
+  const uint64_t mhash = XXH3_64bits(trailer.data(), trailer.size());
+  const uint64_t mlen = trailer.size();
+  put64(trailer, mlen);
+  put64(trailer, mhash);
+  trailer.append(kMagic, 8);
+  if (trailer.size() > kMaxTrailer) {
+    throw CheckpointError(str_cat("smp: checkpoint '", tmp_path, "': manifest of ", trailer.size(),
+                                  " bytes exceeds the zip comment limit ", kMaxTrailer));
+  }
+  unsigned char clen[2] = {static_cast<unsigned char>(trailer.size() & 0xFF),
+                           static_cast<unsigned char>(trailer.size() >> 8)};
+  pwrite_all(f.fd, clen, 2, size - 2, tmp_path);
+  pwrite_all(f.fd, trailer.data(), trailer.size(), size, tmp_path);
+  if (::fsync(f.fd) != 0) throw CheckpointError(sys_error("fsync failed", tmp_path));
+}
+
+// Note [Generations]: a partial save is one file per pp rank, renamed by different
+// processes, so no single rename commits it. Each rank first seals its temporary
+// (fsync), the ranks meet at a barrier, and each then hard-links its current file to
+// `f_p.prev` before renaming the new one over `f_p`; after a second barrier `.prev`
+// goes. A save killed between two ranks' renames leaves every part's old generation
+// at `f_p` or `f_p.prev`, and readers pick the newest save id present for every part.
+void publish(const std::string& tmp_path, const std::string& final_path, bool keep_previous) {
+  if (keep_previous && exists(final_path)) {
+    const std::string prev = final_path + ".prev";
+    const std::string prev_tmp = str_cat(prev, ".tmp-", ::getpid());
+    ::unlink(prev_tmp.c_str());
+    if (::link(final_path.c_str(), prev_tmp.c_str()) != 0) {
+      throw CheckpointError(sys_error("cannot link the previous generation", final_path));
+    }
+    if (::rename(prev_tmp.c_str(), prev.c_str()) != 0) {
+      throw CheckpointError(sys_error("cannot keep the previous generation", prev));
+    }
+  }
+  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
+    throw CheckpointError(sys_error(str_cat("cannot rename '", tmp_path, "' onto it"), final_path));
+  }
+  fsync_dir(final_path);
+}
+
+void drop_previous(const std::string& final_path) {
+  // Not made durable: a `.prev` that survives a crash only offers an older whole
+  // generation, and readers take the newest (one directory fsync saved per part).
+  const std::string prev = final_path + ".prev";
+  ::unlink(prev.c_str());
+}
+
+void write_file_atomic(const std::string& path, const std::string& bytes) {
+  std::random_device rd;
+  const std::string tmp = str_cat(path, ".tmp-", ::getpid(), "-", rd());
+  {
+    Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (f.fd < 0) throw CheckpointError(sys_error("cannot create", tmp));
+    pwrite_all(f.fd, bytes.data(), bytes.size(), 0, tmp);
+    if (::fsync(f.fd) != 0) throw CheckpointError(sys_error("fsync failed", tmp));
+  }
+  publish(tmp, path, false);
+}
+
+Manifest read_manifest(const std::string& path) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd < 0) throw CheckpointError(sys_error("cannot open", path));
+  uint64_t size = 0;
+  return read_trailer(f.fd, path, &size);
+}
+
+bool has_manifest(const std::string& path) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd < 0) return false;
+  struct stat st;
+  if (::fstat(f.fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < kFooter) return false;
+  char tail[8];
+  try {
+    pread_all(f.fd, tail, 8, static_cast<uint64_t>(st.st_size) - 8, path);
+  } catch (const CheckpointError&) {
+    return false;
+  }
+  return std::memcmp(tail, kMagic, 8) == 0;
+}
+
+VerifiedFile read_verified(const std::string& path) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd < 0) throw CheckpointError(sys_error("cannot open", path));
+  uint64_t size = 0;
+  VerifiedFile out;
+  out.manifest = read_trailer(f.fd, path, &size);
+  const uint64_t payload = out.manifest.payload_size;
+  auto index = detail::read_zip_index(f.fd, payload - kEocd, path);
+  // One sequential pass: each record straight into its own tensor, the bytes between
+  // records into a scratch buffer; every byte hashed right after it is read.
+  Hasher h;
+  const uint64_t hashed = payload - 2;
+  std::vector<char> scratch(kChunk);
+  uint64_t pos = 0;
+  auto hash_range = [&](char* dst, uint64_t off, uint64_t n) {
+    for (uint64_t done = 0; done < n;) {
+      const size_t k = static_cast<size_t>(std::min<uint64_t>(kChunk, n - done));
+      pread_all(f.fd, dst + done, k, off + done, path);
+      const uint64_t lo = off + done;
+      if (lo < hashed) h.update(dst + done, static_cast<size_t>(std::min<uint64_t>(k, hashed - lo)));
+      done += k;
+    }
+  };
+  auto skip_to = [&](uint64_t end) {
+    while (pos < end) {
+      const uint64_t k = std::min<uint64_t>(kChunk, end - pos);
+      hash_range(scratch.data(), pos, k);
+      pos += k;
+    }
+  };
+  out.records.reserve(index.size());
+  for (auto& rec : index) {
+    skip_to(rec.offset);
+    at::Tensor t = at::empty({static_cast<int64_t>(rec.size)}, at::kByte);
+    hash_range(static_cast<char*>(t.data_ptr()), rec.offset, rec.size);
+    pos = rec.offset + rec.size;
+    out.records.push_back({std::move(rec.name), std::move(t)});
+  }
+  skip_to(payload);
+  if (h.digest() != out.manifest.payload_hash) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': checksum mismatch (file altered; ",
+                                  out.manifest.describe(), ")"));
+  }
+  return out;
+}
+
+std::vector<std::string> choose_generation(const std::string& base,
+                                           const std::vector<std::vector<Candidate>>& by_part) {
+  // Generations proposed by part 0's files, newest first.
+  std::vector<Manifest> gens;
+  if (!by_part.empty()) {
+    for (const auto& c : by_part[0]) {
+      if (c.ok && c.manifest.partial && c.manifest.part == 0) gens.push_back(c.manifest);
+    }
+  }
+  std::sort(gens.begin(), gens.end(), [](const Manifest& a, const Manifest& b) {
+    return a.save_time_ns > b.save_time_ns;
+  });
+  for (const auto& g : gens) {
+    std::vector<std::string> paths;
+    for (int p = 0; p < g.parts; ++p) {
+      if (p >= static_cast<int>(by_part.size())) break;
+      for (const auto& c : by_part[p]) {
+        if (c.ok && c.manifest.save_id == g.save_id && c.manifest.part == p &&
+            c.manifest.parts == g.parts) {
+          paths.push_back(c.path);
+          break;
+        }
+      }
+      if (static_cast<int>(paths.size()) != p + 1) break;
+    }
+    if (static_cast<int>(paths.size()) == g.parts) return paths;
+  }
+  // Nothing whole: say what each file holds.
+  std::ostringstream os;
+  os << "smp: partial checkpoint '" << base << "' has no complete save:";
+  if (gens.empty()) os << " part 0 ('" << base << "_0') is missing or unreadable;";
+  const int want = gens.empty() ? static_cast<int>(by_part.size()) : gens.front().parts;
+  for (int p = 0; p < std::max<int>(want, static_cast<int>(by_part.size())); ++p) {
+    if (p >= static_cast<int>(by_part.size()) || by_part[p].empty()) {
+      os << " '" << base << "_" << p << "' missing;";
+      continue;
+    }
+    for (const auto& c : by_part[p]) {
+      os << " '" << c.path << "': " << (c.ok ? c.manifest.describe() : c.error) << ";";
+    }
+  }
+  if (!gens.empty()) {
+    os << " (parts from different saves, or a missing part: newest save 0x" << std::hex
+       << gens.front().save_id << std::dec << " needs " << gens.front().parts << " parts)";
+  }
+  throw CheckpointError(os.str());
+}
+
+std::pair<std::vector<std::string>, Manifest> resolve_partial(const std::string& base) {
+  std::vector<std::vector<Candidate>> by_part;
+  for (int p = 0;; ++p) {
+    std::vector<Candidate> cands;
+    for (const std::string& path : {str_cat(base, "_", p), str_cat(base, "_", p, ".prev")}) {
+      if (!exists(path)) continue;
+      Candidate c;
+      c.path = path;
+      try {
+        c.manifest = read_manifest(path);
+        c.ok = true;
+      } catch (const CheckpointError& e) {
+        c.error = e.what();
+      }
+      cands.push_back(std::move(c));
+    }
+    if (cands.empty()) {
+      // A missing part in the middle still ends the listing; choose_generation names it.
+      bool later = exists(str_cat(base, "_", p + 1)) || exists(str_cat(base, "_", p + 1, ".prev"));
+      if (!later) break;
+    }
+    by_part.push_back(std::move(cands));
+  }
+  auto paths = choose_generation(base, by_part);
+  return {paths, read_manifest(paths[0])};
+}
+
+}  // namespace smp::checkpoint

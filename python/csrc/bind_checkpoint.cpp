@@ -1,0 +1,74 @@
+// Bindings of smp::checkpoint: smp._C.CheckpointError, Manifest and the file
+// operations smp/checkpoint.py builds smp.save/smp.load on. Every file operation
+// releases the GIL (they read, hash and fsync whole files).
+#include <torch/csrc/autograd/python_variable.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "checkpoint/checkpoint.h"
+
+namespace py = pybind11;
+
+namespace smp::python {
+
+void bind_checkpoint(py::module_& m) {
+  using namespace smp::checkpoint;
+  using release = py::call_guard<py::gil_scoped_release>;
+  static py::exception<CheckpointError> checkpoint_error(m, "CheckpointError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const CheckpointError& e) {
+      PyErr_SetString(checkpoint_error.ptr(), e.what());
+    }
+  });
+  m.attr("CHECKPOINT_FORMAT_VERSION") = kFormatVersion;
+
+  py::class_<Manifest>(m, "Manifest")
+      .def(py::init<>())
+      .def_readwrite("format_version", &Manifest::format_version)
+      .def_readwrite("save_id", &Manifest::save_id)
+      .def_readwrite("save_time_ns", &Manifest::save_time_ns)
+      .def_readwrite("partial", &Manifest::partial)
+      .def_readwrite("part", &Manifest::part)
+      .def_readwrite("parts", &Manifest::parts)
+      .def_readwrite("world_size", &Manifest::world_size)
+      .def_readwrite("pp_size", &Manifest::pp_size)
+      .def_readwrite("dp_size", &Manifest::dp_size)
+      .def_readwrite("plan_hash", &Manifest::plan_hash)
+      .def_readwrite("payload_size", &Manifest::payload_size)
+      .def_readwrite("payload_hash", &Manifest::payload_hash)
+      .def_readwrite("torch_version", &Manifest::torch_version)
+      .def("describe", &Manifest::describe)
+      .def("__repr__", [](const Manifest& mf) { return "<smp checkpoint " + mf.describe() + ">"; });
+
+  m.def("checkpoint_seal", [](const std::string& tmp, Manifest mf) {
+    seal(tmp, mf);
+    return mf;
+  }, release(), py::arg("tmp_path"), py::arg("manifest"),
+        "Hashes the torch zip at tmp_path, appends the manifest, fsyncs; returns the manifest.");
+  m.def("checkpoint_publish", &publish, release(), py::arg("tmp_path"), py::arg("final_path"),
+        py::arg("keep_previous"));
+  m.def("checkpoint_drop_previous", &drop_previous, release(), py::arg("final_path"));
+  m.def("checkpoint_write_file_atomic", [](const std::string& path, const py::bytes& b) {
+    std::string s = b;
+    py::gil_scoped_release nogil;
+    write_file_atomic(path, s);
+  }, py::arg("path"), py::arg("data"));
+  m.def("checkpoint_read_manifest", &read_manifest, release(), py::arg("path"));
+  m.def("checkpoint_has_manifest", &has_manifest, release(), py::arg("path"));
+  m.def("checkpoint_read_verified", [](const std::string& path) {
+    VerifiedFile vf;
+    {
+      py::gil_scoped_release nogil;
+      vf = read_verified(path);
+    }
+    py::dict records;
+    for (auto& r : vf.records) records[py::str(r.name)] = r.bytes;
+    return py::make_tuple(vf.manifest, records);
+  }, py::arg("path"), "Reads and verifies a whole file: (manifest, {record name: uint8 tensor}).");
+  m.def("checkpoint_resolve_partial", &resolve_partial, release(), py::arg("base"),
+        "The newest complete partial save at base_0..: (paths by part, part 0's manifest).");
+}
+
+}  // namespace smp::python

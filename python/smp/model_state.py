@@ -1,0 +1,237 @@
+"""State dicts of `smp.DistributedModel` across pipeline ranks (SMP v1 semantics).
+
+Everything is keyed by the plain module's state-dict names (a tied parameter appears
+under each of its names, as in `module.state_dict()`), never by position, so a
+checkpoint taken with one partitioning loads into another: `_exchange` moves each
+entry from a rank that holds it to the rank that owns it.
+"""
+import collections
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from smp import core
+
+__all__ = []
+
+PARTIAL_KEY = "_smp_is_partial"
+
+
+def exchange(have, needed):
+    """Gives every pp rank the entries it needs that other ranks hold.
+
+    Args:
+        have: this rank's entries {name: value}.
+        needed: the names this rank needs.
+
+    Returns:
+        {name: value} for the names in `needed` that this rank lacks and another rank
+        holds (the lowest such pp rank provides it), and the union of every rank's names.
+        Collective over the pp group; moves only the entries some rank lacks.
+    """
+    if not core.is_initialized() or core.pp_size() == 1:
+        return {}, set(have)
+    me = core.pp_rank()
+    infos = core.allgather((sorted(have), sorted(needed)), core.CommGroup.PP_GROUP)
+    holders = collections.defaultdict(list)
+    for r, (keys, _) in enumerate(infos):
+        for k in keys:
+            holders[k].append(r)
+    provide = set()
+    for r, (keys, wants) in enumerate(infos):
+        own = set(keys)
+        for k in wants:
+            if k not in own and holders.get(k) and holders[k][0] == me:
+                provide.add(k)
+    sent = core.allgather({k: have[k] for k in sorted(provide)}, core.CommGroup.PP_GROUP)
+    got = {}
+    mine = set(have)
+    for r, part in enumerate(sent):
+        for k, v in part.items():
+            if k in needed and k not in mine and k not in got:
+                got[k] = v
+    return got, set(holders)
+
+
+def gather_to_pp0(obj):
+    """pp rank 0 gets [obj of pp rank 0, 1, ...]; other ranks get None. A gather, not an
+    allgather: only pp rank 0 receives."""
+    if core.pp_size() == 1:
+        return [obj]
+    group = core.get_pp_process_group()
+    dst = core.get_pp_group()[0]
+    out = [None] * core.pp_size() if core.pp_rank() == 0 else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+class ModelStateMixin:
+    """`local_state_dict`, `state_dict`, `load_state_dict` and the hooks of
+    DistributedModel. Uses the model's `_owner`, `_state_tensors`, `_pending_state`."""
+
+    # --- helpers ------------------------------------------------------------------------
+
+    @property
+    def _plan_hash(self):
+        plan = getattr(self, "_plan", None)
+        if not plan:
+            return 0
+        return zlib.crc32(repr([(n, p) for n, p, _ in plan]).encode()) or 1
+
+    def _all_state_keys(self):
+        if self._state_tensors is not None:
+            return list(self._state_tensors)
+        return list(self.module.state_dict(keep_vars=True))
+
+    def _owned_keys(self):
+        if self._owner is None:
+            return self._all_state_keys()
+        me = core.pp_rank()
+        return [k for k in self._state_tensors if self._key_owner(k) == me]
+
+    def _rank_tag(self):
+        if not core.is_initialized():
+            return "rank 0"
+        return f"rank {core.rank()} (pp rank {core.pp_rank()})"
+
+    # --- state dicts --------------------------------------------------------------------
+
+    def local_state_dict(self, *args, cast_to_cpu=True, **kwargs):
+        """This rank's part of the state dict, with key `_smp_is_partial`.
+
+        Args:
+            cast_to_cpu: return CPU tensors (the default, as SMP).
+        """
+        if self._owner is None:
+            sd = self.module.state_dict(*args, **kwargs)
+            sd = collections.OrderedDict(
+                (k, v.detach().cpu() if cast_to_cpu and torch.is_tensor(v) else v)
+                for k, v in sd.items())
+        else:
+            sd = collections.OrderedDict()
+            for k in self._owned_keys():
+                v = self._state_tensors[k].detach()
+                sd[k] = v.cpu() if cast_to_cpu else v
+        sd[PARTIAL_KEY] = core.pp_size() > 1
+        return sd
+
+    def state_dict(self, *args, gather_to_rank0=False, cast_to_cpu=True, **kwargs):
+        """The full model's state dict, with exactly the plain module's keys.
+
+        With partitions > 1 this is collective over the mp group (SMP v1: call it on
+        every rank with dp_rank() == 0, or on every rank).
+
+        Args:
+            gather_to_rank0: only pp rank 0 receives the full dict (a gather); the other
+                ranks return an empty dict.
+            cast_to_cpu: CPU tensors.
+        """
+        if self._owner is None:
+            sd = self.module.state_dict(*args, **kwargs)
+            if cast_to_cpu:
+                sd = collections.OrderedDict(
+                    (k, v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sd.items())
+            return sd
+        local = self.local_state_dict(cast_to_cpu=cast_to_cpu)
+        local.pop(PARTIAL_KEY)
+        if gather_to_rank0:
+            parts = gather_to_pp0(local)
+            if parts is None:
+                return collections.OrderedDict()
+        else:
+            parts = core.allgather(local, core.CommGroup.MP_GROUP)
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        return collections.OrderedDict((k, merged[k]) for k in self._state_tensors
+                                       if k in merged)
+
+    def load_state_dict(self, state_dict, strict=True, same_partition_load=False):
+        """Loads a full or a partial state dict, before or after partitioning.
+
+        A partial dict (`_smp_is_partial`) holds some ranks' entries: each rank takes
+        what it owns from the dicts of the whole mp group (collective over it, unless
+        `same_partition_load=True` says every rank already holds its own). Before the
+        first step the load waits for the partition (SMP v1).
+
+        Raises:
+            RuntimeError: with strict=True, missing or unexpected keys (named, with the
+                rank); raised on every rank.
+        """
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"smp: load_state_dict: state_dict of type "
+                             f"{type(state_dict).__name__} is not a dict")
+        sd = dict(state_dict)
+        partial = bool(sd.pop(PARTIAL_KEY, False))
+        if self._owner is None and core.pp_size() > 1:
+            self._pending_state = (dict(sd, **{PARTIAL_KEY: partial}), strict,
+                                   same_partition_load)
+            return None
+        keys = self._all_state_keys()
+        key_set = set(keys)
+        owned = self._owned_keys()
+        if partial and not same_partition_load:
+            got, everywhere = exchange(sd, owned)
+            sd.update(got)
+        else:
+            everywhere = set(sd)
+        missing = [k for k in keys if k not in everywhere]
+        my_missing = [k for k in owned if k not in sd]
+        unexpected = [k for k in sd if k not in key_set] if not partial else \
+            sorted(k for k in everywhere if k not in key_set)
+        if strict and (missing or unexpected or my_missing):
+            raise RuntimeError(
+                f"smp: load_state_dict on {self._rank_tag()}: missing keys "
+                f"{missing or my_missing}, unexpected keys {unexpected}")
+        if self._owner is None:
+            with torch.no_grad():
+                result = self.module.load_state_dict(
+                    {k: v for k, v in sd.items() if k in key_set}, strict=False)
+            return torch.nn.modules.module._IncompatibleKeys(
+                list(result.missing_keys), unexpected)
+        with torch.no_grad():
+            for k in owned:
+                if k in sd:
+                    self._state_tensors[k].copy_(sd[k])
+        return torch.nn.modules.module._IncompatibleKeys(missing or my_missing, unexpected)
+
+    def _apply_pending_state(self):
+        """Called by _partition once the plan is known: the deferred model load, then
+        the optimizer's (SMP v1: loads happen after the partition)."""
+        if self._pending_state is not None:
+            sd, strict, same = self._pending_state
+            self._pending_state = None
+            self.load_state_dict(sd, strict, same)
+        opt = core.state.optimizer
+        if opt is not None and getattr(opt, "_smp_pending_state", None) is not None:
+            pending = opt._smp_pending_state
+            opt._smp_pending_state = None
+            opt.load_state_dict(pending)
+
+    # --- hooks --------------------------------------------------------------------------
+
+    def register_post_partition_hook(self, hook):
+        """`hook(model, optimizer)` runs after partitioning (the first step, before its
+        first forward); registered after that, it runs at once. Returns a handle."""
+        from torch.utils.hooks import RemovableHandle
+        if not callable(hook):
+            raise ValueError(f"smp: register_post_partition_hook hook={hook!r} is not callable")
+        if not isinstance(self._post_partition_hooks, collections.OrderedDict):
+            self._post_partition_hooks = collections.OrderedDict(self._post_partition_hooks)
+        handle = RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
+        if self.partitioned:
+            hook(self, core.state.optimizer)
+        return handle
+
+    def register_post_step_hook(self, hook):
+        """`hook(model, optimizer)` runs after every smp.step. Returns a handle."""
+        from torch.utils.hooks import RemovableHandle
+        if not callable(hook):
+            raise ValueError(f"smp: register_post_step_hook hook={hook!r} is not callable")
+        if not isinstance(self._post_step_hooks, collections.OrderedDict):
+            self._post_step_hooks = collections.OrderedDict(self._post_step_hooks)
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle

@@ -1,0 +1,374 @@
+"""Checkpoints on real files, written and read by real multi-rank jobs.
+
+- resume equals the uninterrupted run exactly (same partitioning), and matches the
+  single-process reference after resharding 2->1, 2->4, 4->2 (Adam), pp=2 x dp=2 (SGD
+  with momentum), with the Hugging Face SMP save/resume sequence in one of them;
+- a full checkpoint loads into the plain module with torch.load;
+- truncated, altered, missing and mixed files raise smp.CheckpointError naming the file,
+  on every rank; a saving rank SIGKILLed at several moments leaves the old or the new
+  save whole;
+- save_checkpoint keeps N, resume_from_checkpoint (partial, full, HF's plain file);
+- post-step / post-partition hooks; comm hook state pickling.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import smp
+from conftest import run_ranks
+
+COMMON = r"""
+import json, os, sys, copy
+import torch, torch.nn as nn
+import smp
+opts = json.loads(sys.argv[1])
+smp.init(dict(opts["cfg"], timeout_s=opts.get("timeout_s", 60)))
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                    nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+ref = copy.deepcopy(net)
+
+def make_opt(params):
+    if opts.get("opt", "adam") == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+opt = make_opt(net.parameters())
+ref_opt = make_opt(ref.parameters())
+model = smp.DistributedModel(net)
+opt = smp.DistributedOptimizer(opt)
+mb = opts["cfg"].get("microbatches", 1)
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(8 * smp.dp_size(), 8, generator=g), torch.randn(8 * smp.dp_size(), 3, generator=g)
+    sl = slice(8 * smp.dp_rank(), 8 * (smp.dp_rank() + 1))
+    return x[sl], y[sl], x, y
+
+@smp.step
+def train_step(x, y):
+    loss = nn.functional.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+def ref_step(step):
+    # The same step in one process: the full batch, the same microbatch split and mean.
+    _, _, x, y = batch(step)
+    ref_opt.zero_grad()
+    n = x.shape[0] // (mb * smp.dp_size())
+    for d in range(smp.dp_size()):
+        for m in range(mb):
+            s = slice(8 * d + n * m, 8 * d + n * (m + 1))
+            (nn.functional.mse_loss(ref(x[s]), y[s]) / (mb * smp.dp_size())).backward()
+    ref_opt.step()
+
+def step(i):
+    x, y, _, _ = batch(i)
+    opt.zero_grad()
+    train_step(x, y)
+    opt.step()
+"""
+
+TRAIN = COMMON + r"""
+# Uninterrupted run: save at step `save_at` (partial, every rank calls), keep going.
+ckpt = opts["ckpt"]
+for i in range(opts["steps"]):
+    if i == opts["save_at"]:
+        if opts.get("hf"):
+            # Hugging Face's SMP sequence (trainer.py _save_checkpoint).
+            opt_sd = opt.local_state_dict(gather_if_shard=False)
+            smp.barrier()
+            if smp.rdp_rank() == 0:
+                smp.save(opt_sd, ckpt + ".opt", partial=True, v3=False)
+            smp.save(model.local_state_dict(), ckpt + ".model", partial=True)
+        else:
+            smp.save({"model": model.local_state_dict(), "opt": opt.local_state_dict(),
+                      "step": i}, ckpt, partial=True)
+    step(i)
+full = model.state_dict()
+if smp.rank() == 0:
+    torch.save(full, opts["final"])
+print("TRAINED", flush=True)
+"""
+
+RESUME = COMMON + r"""
+ckpt = opts["ckpt"]
+start = opts["save_at"]
+if opts.get("hf"):
+    model.load_state_dict(smp.load(ckpt + ".model", partial=True), same_partition_load=False)
+    def opt_load_hook(mod, o):
+        o.load_state_dict(smp.load(ckpt + ".opt", partial=True))
+    handle = model.register_post_step_hook(opt_load_hook)
+else:
+    state = smp.load(ckpt, partial=True)
+    assert state["step"] == start, state["step"]
+    model.load_state_dict(state["model"])   # before the first step: applied after partitioning
+    opt.load_state_dict(state["opt"])
+for i in range(start, opts["steps"]):
+    if opts.get("hf") and i == start + 1:
+        handle.remove()
+    if opts.get("resave_at") == i:
+        smp.save({"model": model.local_state_dict(), "opt": opt.local_state_dict(), "step": i},
+                 opts["resave"], partial=True)
+    step(i)
+full = model.state_dict()
+want = torch.load(opts["final"])
+for k, v in want.items():
+    if opts.get("exact"):
+        assert torch.equal(full[k], v), f"{k}: resumed run differs from the uninterrupted one"
+    else:
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+# The single-process reference, trained from scratch.
+for i in range(opts["steps"]):
+    ref_step(i)
+for k, v in ref.state_dict().items():
+    torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"ref {k}: {m}")
+print("RESUMED", flush=True)
+"""
+
+
+def _run(script, world, tmp_path, opts, **kw):
+    res = run_ranks(script, world, tmp_path, args=(json.dumps(opts),), timeout=150, **kw)
+    bad = [r for r in res if r.returncode != 0]
+    assert not bad, "\n".join(map(repr, bad))
+    return res
+
+
+def test_resume_exact_and_reshard_adam(tmp_path):
+    ck, final = str(tmp_path / "ck.pt"), str(tmp_path / "final.pt")
+    base = dict(ckpt=ck, final=final, steps=5, save_at=2, opt="adam")
+    _run(TRAIN, 2, tmp_path, dict(base, cfg={"partitions": 2, "microbatches": 2}))
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("ck.pt")) == \
+        ["ck.pt_0", "ck.pt_1"]
+    # Same partitioning: bit for bit the uninterrupted run.
+    _run(RESUME, 2, tmp_path, dict(base, exact=True, cfg={"partitions": 2, "microbatches": 2}))
+    # 2 -> 1.
+    _run(RESUME, 1, tmp_path, dict(base, cfg={"partitions": 1, "microbatches": 2}))
+    # 2 -> 4, saving again at step 3 with 4 parts; then 4 -> 2.
+    ck4 = str(tmp_path / "ck4.pt")
+    _run(RESUME, 4, tmp_path, dict(base, resave_at=3, resave=ck4,
+                                    cfg={"partitions": 4, "microbatches": 2}))
+    assert os.path.exists(ck4 + "_3")
+    _run(RESUME, 2, tmp_path, dict(base, ckpt=ck4, save_at=3,
+                                    cfg={"partitions": 2, "microbatches": 2}))
+
+
+def test_resume_exact_pp2_dp2_sgd_momentum_hf_sequence(tmp_path):
+    ck, final = str(tmp_path / "ck.pt"), str(tmp_path / "final.pt")
+    cfg = {"partitions": 2, "microbatches": 2, "ddp": True}
+    base = dict(ckpt=ck, final=final, steps=4, save_at=2, opt="sgd", hf=True, cfg=cfg)
+    _run(TRAIN, 4, tmp_path, base)
+    _run(RESUME, 4, tmp_path, dict(base, exact=True))
+
+
+FULL = COMMON + r"""
+for i in range(2):
+    step(i)
+sd, osd = model.state_dict(gather_to_rank0=True), opt.state_dict(gather_to_rank0=True)
+if smp.rank() == 0:
+    smp.save({"model": sd, "opt": osd}, opts["ckpt"], partial=False)
+    for i in range(2):
+        ref_step(i)
+    torch.save(ref.state_dict(), opts["final"])
+else:
+    assert sd == {} and osd == {}, "gather_to_rank0 gave a non-zero rank the state"
+"""
+
+
+def test_full_checkpoint_loads_into_plain_module(tmp_path):
+    ck, final = str(tmp_path / "full.pt"), str(tmp_path / "ref.pt")
+    _run(FULL, 2, tmp_path, dict(ckpt=ck, final=final, opt="adam",
+                                 cfg={"partitions": 2, "microbatches": 2}))
+    obj = torch.load(ck)  # plain torch.load reads an smp full file
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 3))
+    plain.load_state_dict(obj["model"])
+    for k, v in torch.load(final).items():
+        torch.testing.assert_close(plain.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+    popt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    popt.load_state_dict(obj["opt"])  # the full optimizer dict is torch's own format
+    assert len(popt.state) == 8
+    assert torch.equal(smp.load(ck, partial=False)["model"]["6.bias"], obj["model"]["6.bias"])
+
+
+# --- damaged files ----------------------------------------------------------------------
+
+SAVE2 = r"""
+import json, sys, torch, smp
+opts = json.loads(sys.argv[1])
+smp.init({"partitions": 2, "timeout_s": opts.get("timeout_s", 30)})
+for tag in opts["tags"]:
+    smp.save({"w": torch.full((1000,), float(smp.pp_rank())), "tag": tag}, opts["dir"] + "/" + tag,
+             partial=True)
+"""
+
+LOAD2 = r"""
+import json, sys, smp
+opts = json.loads(sys.argv[1])
+smp.init({"partitions": 2, "timeout_s": 30})
+try:
+    smp.load(opts["path"], partial=True)
+    print("LOADED", flush=True)
+except smp.CheckpointError as e:
+    print("CHECKPOINT_ERROR", e, flush=True)
+"""
+
+
+def _load_in_process(path):
+    return smp.load(path, partial=True)
+
+
+def test_damaged_checkpoints_are_named(tmp_path):
+    d = str(tmp_path)
+    _run(SAVE2, 2, tmp_path, dict(dir=d, tags=["a", "b"]))
+    # Whole: in this process (pp_size 1) both parts merge.
+    assert _load_in_process(d + "/a")["tag"] == "a"
+
+    def expect(path, *words):
+        with pytest.raises(smp.CheckpointError) as e:
+            _load_in_process(path)
+        for w in words:
+            assert w in str(e.value), str(e.value)
+        return str(e.value)
+
+    # Truncated part 1.
+    shutil.copy(d + "/a_0", d + "/t_0")
+    shutil.copy(d + "/a_1", d + "/t_1")
+    with open(d + "/t_1", "r+b") as f:
+        f.truncate(os.path.getsize(d + "/t_1") - 100)
+    expect(d + "/t", "t_1", "truncated")
+    # A flipped byte inside the tensor data.
+    shutil.copy(d + "/a_0", d + "/f_0")
+    shutil.copy(d + "/a_1", d + "/f_1")
+    with open(d + "/f_0", "r+b") as f:
+        f.seek(2000)
+        b = f.read(1)
+        f.seek(2000)
+        f.write(bytes([b[0] ^ 1]))
+    expect(d + "/f", "f_0", "checksum mismatch")
+    # Missing part.
+    shutil.copy(d + "/a_0", d + "/m_0")
+    expect(d + "/m", "m_1' missing")
+    # Parts of two saves.
+    shutil.copy(d + "/a_0", d + "/x_0")
+    shutil.copy(d + "/b_1", d + "/x_1")
+    expect(d + "/x", "different saves")
+    # Every rank of a 2-rank job raises, naming the file.
+    res = _run(LOAD2, 2, tmp_path, dict(path=d + "/f"))
+    for r in res:
+        assert "CHECKPOINT_ERROR" in r.stdout and "f_0" in r.stdout, r
+    # A full file: truncated, and a plain torch.save file still loads.
+    smp.save({"v": torch.arange(10)}, d + "/full.pt", partial=False)
+    assert torch.equal(torch.load(d + "/full.pt")["v"], torch.arange(10))
+    shutil.copy(d + "/full.pt", d + "/full2.pt")
+    with open(d + "/full2.pt", "r+b") as f:
+        f.truncate(300)
+    with pytest.raises(smp.CheckpointError, match="full2.pt"):
+        smp.load(d + "/full2.pt", partial=False)
+    torch.save({"v": 3}, d + "/plain.pt")
+    assert smp.load(d + "/plain.pt", partial=False) == {"v": 3}
+
+
+@pytest.mark.parametrize("stage", ["after_write:1", "after_seal:0", "before_rename:1",
+                                   "after_rename:0"])
+def test_sigkill_while_saving_leaves_old_or_new(tmp_path, stage):
+    d = str(tmp_path)
+    _run(SAVE2, 2, tmp_path, dict(dir=d, tags=["c"]))
+    # The second save to the same name dies at `stage` (SIGKILL of that pp rank).
+    script = SAVE2.replace('"tag": tag', '"tag": "new"')
+    res = run_ranks(script, 2, tmp_path, args=(json.dumps(dict(dir=d, tags=["c"], timeout_s=5)),),
+                    timeout=60, env={"SMP_CHECKPOINT_CRASH_AT": stage})
+    killed = int(stage.split(":")[1])
+    assert res[killed].returncode == -9, res[killed]
+    got = _load_in_process(d + "/c")  # never an error
+    assert got["tag"] in ("c", "new")
+    # A whole save: both parts' tensors came from that save (w holds each part's pp rank).
+    assert got["w"].shape == (1000,)
+    if stage != "after_rename:0":
+        assert got["tag"] == "c", "rank 1 never renamed: only the old save is whole"
+
+
+# --- save_checkpoint / resume_from_checkpoint --------------------------------------------
+
+SAVECK = COMMON + r"""
+path = opts["path"]
+for i in range(4):
+    step(i)
+    smp.save_checkpoint(path, f"step{i}", partial=True, model=model, optimizer=opt,
+                        user_content={"step": i}, num_kept_partial_checkpoints=2)
+smp.save_checkpoint(path, "full", partial=False, model=model, optimizer=opt,
+                    user_content={"step": 99})
+full = model.state_dict()
+if smp.rank() == 0:
+    torch.save(full, path + "/final_ref.pt")
+"""
+
+RESUMECK = COMMON + r"""
+path = opts["path"]
+if opts["kind"] == "partial":
+    content = smp.resume_from_checkpoint(path)       # tag from path/newest
+    assert content == {"step": 3}, content
+elif opts["kind"] == "full":
+    content = smp.resume_from_checkpoint(path, tag="full", partial=False)
+    assert content == {"step": 99}, content
+else:   # Hugging Face: a plain torch.save'd model state dict
+    smp.resume_from_checkpoint(path, tag="pytorch_model.bin", partial=False, load_optimizer=False)
+ran = []
+model.register_post_partition_hook(lambda m, o: ran.append("early"))
+x, y, _, _ = batch(0)
+train_step(x, y)     # forward and backward only: the loaded parameters stay     # partitions, then the deferred loads, then the hooks
+model.register_post_partition_hook(lambda m, o: ran.append("late"))  # runs at once
+assert ran == ["early", "late"], ran
+full = model.state_dict()
+want = torch.load(path + "/final_ref.pt")
+for k, v in want.items():
+    assert torch.equal(full[k], v), k
+print("OK", flush=True)
+"""
+
+
+def test_save_checkpoint_keeps_n_and_resumes(tmp_path):
+    path = str(tmp_path / "ckpts")
+    cfg = {"partitions": 2, "microbatches": 2}
+    _run(SAVECK, 2, tmp_path, dict(path=path, cfg=cfg))
+    names = sorted(os.listdir(path))
+    assert [n for n in names if n.endswith("_partial")] == ["step2_partial", "step3_partial"]
+    assert open(os.path.join(path, "newest")).read() == "step3"
+    torch.save(torch.load(os.path.join(path, "full")), os.path.join(path, "pytorch_model.bin"))
+    for kind in ("partial", "full", "hf"):
+        _run(RESUMECK, 2, tmp_path, dict(path=path, kind=kind, cfg=cfg))
+
+
+# --- hooks and comm hook state -------------------------------------------------------------
+
+class _HookState:
+    def __init__(self, process_group):
+        self.process_group = process_group
+        self.iteration = 7
+
+
+def test_comm_hook_state_pickles_without_process_group(tmp_path):
+    from smp.ddp_comm_hooks import default_hooks
+    state = _HookState(process_group=object())   # not picklable
+    smp.save({"comm_hook": default_hooks.allreduce_hook, "comm_hook_state": state},
+             str(tmp_path / "h.pt"), partial=False)
+    got = smp.load(str(tmp_path / "h.pt"), partial=False)
+    assert got["comm_hook"] is default_hooks.allreduce_hook
+    assert got["comm_hook_state"].iteration == 7
+    assert got["comm_hook_state"].process_group is None  # smp not initialised here
+    assert state.process_group is not None  # the caller's state is untouched
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="partial"):
+        smp.save({}, "x", partial="yes")
+    with pytest.raises(ValueError, match="not a path"):
+        smp.load(3)
+    with pytest.raises(smp.CheckpointError, match="does not exist"):
+        smp.load("/nonexistent/file.pt", partial=False)
+    with pytest.raises(smp.CheckpointError, match="no complete save"):
+        smp.load("/nonexistent/file.pt", partial=True)

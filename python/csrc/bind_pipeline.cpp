@@ -1,10 +1,14 @@
 // Bindings of the pipeline transport (smp_core/p2p): Python builds messages from
 // module calls; C++ moves and matches them.
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <optional>
+
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "smp_core/errors.h"
 #include "smp_core/p2p.h"
+#include "smp_core/scheduler.h"
 
 namespace py = pybind11;
 
@@ -27,6 +31,44 @@ void bind_pipeline(py::module_& m) {
       .value("ARRIVAL", RecvOrder::kArrival)
       .value("BACKWARD_FIRST", RecvOrder::kBackwardFirst)
       .value("FORWARD_FIRST", RecvOrder::kForwardFirst);
+  // The schedule as data (smp_core/scheduler.h): the runtime's only source of order.
+  py::class_<Schedule>(m, "Schedule")
+      .def(py::init([](const std::string& kind, int64_t microbatches, int64_t stages,
+                       int64_t active) {
+             if (kind != "interleaved" && kind != "simple")
+               throw ConfigError("smp: config 'pipeline'='" + kind +
+                                 "' is not one of {interleaved, simple}");
+             return Schedule(ScheduleOptions{
+                 kind == "simple" ? ScheduleKind::kSimple : ScheduleKind::kInterleaved,
+                 microbatches, stages, active});
+           }),
+           py::arg("kind"), py::arg("microbatches"), py::arg("stages"),
+           py::arg("active_microbatches"))
+      .def("priority", [](const Schedule& s, int64_t mb, bool backward) {
+             return s.priority(mb, backward ? Phase::kBackward : Phase::kForward);
+           }, py::arg("mb"), py::arg("backward"))
+      .def("window", &Schedule::window)
+      .def("forwards_before_backwards", &Schedule::forwards_before_backwards)
+      .def("recv_order", [](const Schedule& s) {
+             return s.options().kind == ScheduleKind::kSimple ? RecvOrder::kForwardFirst
+                                                              : RecvOrder::kBackwardFirst;
+           })
+      .def("plan", [](const Schedule& s, const std::vector<int64_t>& path) {
+             std::vector<std::vector<std::tuple<int64_t, bool, int64_t>>> out;
+             for (const auto& row : s.plan(path)) {
+               out.emplace_back();
+               for (const auto& w : row)
+                 out.back().emplace_back(w.mb, w.phase == Phase::kBackward, w.hop);
+             }
+             return out;
+           }, py::arg("path") = std::vector<int64_t>{})
+      .def("grid", [](const Schedule& s, const std::vector<int64_t>& path,
+                      std::optional<std::tuple<int64_t, int64_t, bool>> failed) {
+             if (!failed) return s.grid(path);
+             FailedCell cell{std::get<0>(*failed), std::get<1>(*failed),
+                             std::get<2>(*failed) ? Phase::kBackward : Phase::kForward};
+             return s.grid(path, &cell);
+           }, py::arg("path") = std::vector<int64_t>{}, py::arg("failed") = py::none());
   py::class_<Message>(m, "Message")
       .def(py::init([](int64_t mb, int64_t call_id, int32_t kind, const py::bytes& meta,
                        std::vector<at::Tensor> tensors) {

@@ -23,6 +23,7 @@ import contextlib
 import os
 import pickle
 import queue
+import sys
 import threading
 import traceback
 
@@ -81,19 +82,33 @@ def unflatten(skeleton, tensors):
 
 
 def _error_payload(exc):
+    """The exception, its traceback text and the schedule cell (pp rank, microbatch,
+    backward) where it was raised: the first cell that failed travels with it."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     where = f"(raised on rank {core.rank()}, pp rank {core.pp_rank()})\n"
+    cell = getattr(exc, "_smp_cell", None)
+    if cell is None and _task.mb is not None:
+        cell = (core.pp_rank(), _task.mb, bool(_task.backward))
     try:
         blob = pickle.dumps(exc)
         pickle.loads(blob)
     except Exception:  # unpicklable exception: carry its text
         blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return pickle.dumps((blob, where + text))
+    return pickle.dumps((blob, where + text, cell))
+
+
+def _remote_exception(meta):
+    blob, text, cell = pickle.loads(meta)
+    exc = pickle.loads(blob)
+    try:
+        exc._smp_cell = cell
+    except AttributeError:
+        pass
+    return exc, text
 
 
 def _raise_remote(meta):
-    blob, text = pickle.loads(meta)
-    exc = pickle.loads(blob)
+    exc, text = _remote_exception(meta)
     raise exc from RemoteTraceback(text)
 
 
@@ -200,16 +215,27 @@ class Engine:
         self.fwd_done = set()  # microbatches whose forward finished ("simple")
         self.fwd_cond = threading.Condition()
         self.workers = _Workers("smp-task")
-        self._order = (_C.RecvOrder.FORWARD_FIRST if self.cfg.pipeline == "simple"
-                       else _C.RecvOrder.BACKWARD_FIRST)
+        # The one source of order: token priorities, receive order, the driver's window
+        # and the "simple" barrier all come from the C++ schedule (smp_core/scheduler.h).
+        self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, core.pp_size(),
+                                    self.cfg.active_microbatches)
+        self._order = self.schedule.recv_order()
         self._serving = None
 
-    # Note [Schedule as priorities]: lower runs first. interleaved: any backward work
-    # before a new forward, earlier microbatches first; simple: every forward first.
     def _priority(self, mb, backward):
-        if self.cfg.pipeline == "simple":
-            return (1 << 20) * int(backward) + mb
-        return (1 << 20) * int(not backward) + mb
+        return self.schedule.priority(mb, backward)
+
+    def log_failure(self, exc):
+        """Every rank logs the step x rank table with the failing cell marked."""
+        cell = getattr(exc, "_smp_cell", None)
+        try:
+            table = self.schedule.grid([], tuple(cell) if cell else None)
+        except Exception as e:  # the table must never hide the error itself
+            table = f"(no schedule table: {e})\n"
+        where = (f"pp rank {cell[0]}, microbatch {cell[1]}, "
+                 f"{'backward' if cell[2] else 'forward'}") if cell else "an unknown cell"
+        print(f"smp: step {self.epoch} failed at {where} (rank {core.rank()}): "
+              f"{type(exc).__name__}: {exc}\n{table}", file=sys.stderr, end="", flush=True)
 
     def _next_call_id(self, mb):
         with self.lock:
@@ -390,7 +416,7 @@ class Engine:
     def _drive(self, fn, mb_inputs):
         num_mb = len(mb_inputs)
         results, errors = [None] * num_mb, []
-        active = num_mb if self.cfg.pipeline == "simple" else self.cfg.active_microbatches
+        active = self.schedule.window()
         order = iter(range(num_mb))  # next() of a range iterator is atomic under the GIL
 
         def worker():  # at most `active` microbatches in flight, started in order
@@ -406,6 +432,11 @@ class Engine:
                     results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])
             except BaseException as exc:
                 if not errors:
+                    if getattr(exc, "_smp_cell", None) is None:
+                        try:
+                            exc._smp_cell = (0, mb, bool(_task.backward))
+                        except AttributeError:
+                            pass
                     payload = _error_payload(exc)
                     for r in range(core.pp_size()):
                         self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
@@ -418,6 +449,7 @@ class Engine:
         self.workers.run([worker] * min(active, num_mb))
         self.records.clear()
         if errors:
+            self.log_failure(errors[0])
             raise errors[0]
         out = (results, self.model._backward_this_step)
         payload = pickle.dumps(out)
@@ -434,7 +466,9 @@ class Engine:
         finally:
             self.records.clear()
         if msg.kind == K.ABORT:
-            _raise_remote(msg.meta)
+            exc, text = _remote_exception(msg.meta)
+            self.log_failure(exc)
+            raise exc from RemoteTraceback(text)
         if self._serving.errors:
             raise self._serving.errors[0]
         return pickle.loads(msg.meta)
@@ -446,7 +480,7 @@ class Engine:
             self.fwd_cond.notify_all()
 
     def wait_all_forwards(self):
-        if self.cfg.pipeline != "simple":
+        if not self.schedule.forwards_before_backwards():
             return
         self.p2p.release_token()
         with self.fwd_cond:

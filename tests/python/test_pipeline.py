@@ -5,6 +5,7 @@ trains an unwrapped copy in-process; losses, every parameter (gathered through
 model.state_dict()) and the partition ownership are compared.
 """
 import json
+import re
 
 import pytest
 
@@ -246,6 +247,11 @@ except ValueError as e:
     for r in res:
         assert r.returncode == 3, r
         assert "raised: kaboom in module b | remote: True True" in r.stdout, r
+        # Every rank logs the step x rank table with the failing cell marked.
+        m = re.search(r"smp: step 1 failed at pp rank 1, microbatch ([01]), forward", r.stderr)
+        assert m, r
+        assert f"[F{m.group(1)}]" in r.stderr and "pp 0 | F0" in r.stderr, r
+        assert f"failed: pp rank 1, microbatch {m.group(1)}, forward" in r.stderr, r
 
 
 def test_too_many_partitions_is_a_clear_error(ranks):

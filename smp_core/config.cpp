@@ -136,7 +136,8 @@ std::vector<std::string> config_keys() {
       "partitions",     "pipeline_parallel_degree", "microbatches", "pipeline",
       "ddp",            "placement_strategy",       "optimize",     "auto_partition",
       "default_partition", "memory_weight",         "active_microbatches", "contiguous",
-      "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing"};
+      "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing",
+      "p2p_transport"};
   for (const auto& k : neutral_keys()) keys.push_back(k.name);
   for (const auto& k : ignored_keys()) keys.push_back(k.first);
   std::sort(keys.begin(), keys.end());
@@ -194,6 +195,7 @@ Config Config::from_json(const std::string& text, int rank) {
   if (!p.has("backend")) c.backend = p.get_choice("ddp_dist_backend", "auto", backends);
   c.timeout_s = p.get_double("timeout_s", 300.0, 0.0, 1e7, /*lo_open=*/true);
   c.skip_tracing = p.get_bool("skip_tracing", false);
+  c.p2p_transport = p.get_choice("p2p_transport", "auto", {"auto", "tcp", "c10d"});
   for (const auto& k : neutral_keys()) {
     if (p.has(k.name) && obj[k.name] != k.neutral)
       p.fail(k.name, obj[k.name], str_cat("supported by smp (only ", k.neutral.dump(), ")"));
@@ -226,6 +228,7 @@ std::string Config::to_json() const {
             {"backend", backend},
             {"timeout_s", timeout_s},
             {"skip_tracing", skip_tracing},
+            {"p2p_transport", p2p_transport},
             {"pipeline_parallel_degree", partitions},
             {"ddp_dist_backend", backend}};
   for (const auto& k : neutral_keys()) j[k.name] = k.neutral;

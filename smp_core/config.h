@@ -40,6 +40,9 @@ struct Config {
   std::string backend = "auto";
   // Seconds every blocking wait may take before it fails naming what it awaited.
   double timeout_s = 300.0;
+  // Where pipeline tensors travel: "auto" (CPU tensors on the TCP mesh, CUDA tensors by
+  // c10d send/recv), "tcp" (CPU only), "c10d" (every tensor by c10d send/recv).
+  std::string p2p_transport = "auto";
   // Skip the tracing pass (SMP v1.6+); the partitioner then uses parameter sizes only.
   bool skip_tracing = false;
   // Compatibility keys smp accepts but does not use (ddp_port, ...), as given: a JSON

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "smp_core/comm.h"
@@ -30,9 +31,17 @@ constexpr int kMaxDims = 8;
 // A header with total_bytes 0 says the sender's engine is shutting down.
 //
 // Header, all int64: magic, total_bytes, mb, call_id, kind, meta_len, n_tensors, epoch,
-// reserved; per tensor: dtype, ndim, dims[kMaxDims].
+// reserved; per tensor: dtype | flags, ndim, dims[kMaxDims]. Flags: kByC10d (the bytes
+// follow by c10d send/recv, not on the socket), kOnCuda (a CUDA tensor).
 constexpr size_t kFixedWords = 9;
 constexpr size_t kWordsPerTensor = 2 + kMaxDims;
+constexpr int64_t kByC10d = int64_t{1} << 16;
+constexpr int64_t kOnCuda = int64_t{1} << 17;
+constexpr int64_t kDtypeMask = 0xffff;
+// c10d tag of payload tensors: the group is the engine's own, and per pair of ranks the
+// sends (one sender thread at a time, under the peer's send mutex) and the receives
+// (one receiver thread per peer) run in the same order.
+constexpr int kPayloadTag = 0;
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -74,6 +83,33 @@ struct P2PEngine::Impl {
 
   Stats stats;
 
+  // Note [Payload transports] in p2p.h.
+  c10::intrusive_ptr<c10d::ProcessGroup> payload_pg;
+  PayloadTransport transport = PayloadTransport::kTcp;
+  at::Device device{at::kCPU};
+  std::condition_variable payload_set;
+
+  bool by_c10d(const at::Tensor& t) const {
+    if (transport == PayloadTransport::kC10d) return true;
+    return transport == PayloadTransport::kAuto && !t.device().is_cpu();
+  }
+
+  // The payload group; a peer may send before this rank has set it (every rank sets it
+  // right after the engine's construction), so the receiver waits for it.
+  c10::intrusive_ptr<c10d::ProcessGroup> payload_group(int peer) {
+    std::unique_lock<std::mutex> lock(mu);
+    const auto limit = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    if (!payload_set.wait_for(lock, limit, [&] { return payload_pg || stopping; }) || !payload_pg)
+      throw CommError(str_cat("smp: pp rank ", peer, " sent a tensor by c10d send/recv but "
+                              "this rank has no payload group (config 'p2p_transport' differs "
+                              "between ranks?)"));
+    return payload_pg;
+  }
+
+  void wait_payload(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+    wait_work(work, timeout_s, what);
+  }
+
   void receive_loop(int peer) {
     const int fd = fds[peer];
     try {
@@ -103,9 +139,22 @@ struct P2PEngine::Impl {
           const int64_t* t = desc.data() + i * kWordsPerTensor;
           SMP_CHECK(t[1] >= 0 && t[1] <= kMaxDims, "p2p: bad tensor descriptor from pp rank ", peer);
           std::vector<int64_t> dims(t + 2, t + 2 + t[1]);
-          auto tensor = at::empty(dims, at::TensorOptions().dtype(static_cast<at::ScalarType>(t[0])));
+          const bool c10d_payload = t[0] & kByC10d;
+          // Taken under the lock: orders this read of `device` after set_payload_group.
+          c10::intrusive_ptr<c10d::ProcessGroup> group;
+          if (c10d_payload) group = payload_group(peer);
+          const at::Device where = (t[0] & kOnCuda) ? device : at::Device(at::kCPU);
+          auto tensor = at::empty(dims, at::TensorOptions()
+                                            .dtype(static_cast<at::ScalarType>(t[0] & kDtypeMask))
+                                            .device(where));
           const auto nbytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-          if (nbytes) detail::read_exact(fd, tensor.data_ptr(), nbytes);
+          if (c10d_payload) {
+            std::vector<at::Tensor> one{tensor};
+            wait_payload(group->recv(one, peer, kPayloadTag),
+                         str_cat("a pipeline tensor from pp rank ", peer, " (c10d recv)"));
+          } else if (nbytes) {
+            detail::read_exact(fd, tensor.data_ptr(), nbytes);
+          }
           m.tensors.push_back(std::move(tensor));
         }
         std::lock_guard<std::mutex> lock(mu);
@@ -221,6 +270,22 @@ P2PEngine::~P2PEngine() {
     if (fd >= 0) close(fd);
 }
 
+void P2PEngine::set_payload_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                  PayloadTransport transport, const std::string& device) {
+  auto& I = *impl_;
+  SMP_CHECK(transport == PayloadTransport::kTcp || group,
+            "p2p: the c10d payload transport needs a process group");
+  if (group)
+    SMP_CHECK(group->getSize() == I.size && group->getRank() == I.rank, "p2p: payload group of ",
+              group->getSize(), " ranks (rank ", group->getRank(), ") does not match the engine's ",
+              I.size, " (rank ", I.rank, ")");
+  std::lock_guard<std::mutex> lock(I.mu);
+  I.payload_pg = std::move(group);
+  I.transport = transport;
+  I.device = at::Device(device);
+  I.payload_set.notify_all();
+}
+
 int P2PEngine::rank() const { return impl_->rank; }
 int P2PEngine::size() const { return impl_->size; }
 
@@ -238,15 +303,21 @@ void P2PEngine::send(int dst, const Message& msg) {
   const int64_t n = static_cast<int64_t>(msg.tensors.size());
   const int64_t meta_len = static_cast<int64_t>(msg.meta.size());
   std::vector<int64_t> head(kFixedWords + n * kWordsPerTensor, 0);
-  std::vector<at::Tensor> tensors;
+  std::vector<at::Tensor> tensors, by_c10d;
   int64_t total = static_cast<int64_t>(head.size()) * 8 + meta_len;
+  auto& I = *impl_;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& t = msg.tensors[i];
     SMP_CHECK(t.dim() <= kMaxDims, "p2p: tensor with ", t.dim(), " dims (at most ", kMaxDims, ")");
-    SMP_CHECK(t.device().is_cpu(), "p2p: only CPU tensors cross the pipeline transport");
-    tensors.push_back(t.contiguous());
+    const bool c10d_payload = I.by_c10d(t);
+    if (!c10d_payload && !t.device().is_cpu())
+      throw CommError(str_cat("smp: a ", t.device().str(), " tensor cannot cross the pipeline's TCP "
+                              "transport (allowed: CPU tensors; set config 'p2p_transport' to "
+                              "'auto' or 'c10d' for device tensors)"));
     int64_t* d = head.data() + kFixedWords + i * kWordsPerTensor;
-    d[0] = static_cast<int64_t>(t.scalar_type());
+    d[0] = static_cast<int64_t>(t.scalar_type()) | (c10d_payload ? kByC10d : 0) |
+           (t.device().is_cuda() ? kOnCuda : 0);
+    (c10d_payload ? by_c10d : tensors).push_back(t.contiguous());
     d[1] = t.dim();
     for (int64_t k = 0; k < t.dim(); ++k) d[2 + k] = t.size(k);
     total += t.numel() * static_cast<int64_t>(t.element_size());
@@ -265,6 +336,11 @@ void P2PEngine::send(int dst, const Message& msg) {
   try {
     std::lock_guard<std::mutex> lock(*impl_->send_mu[dst]);
     detail::write_all(impl_->fds[dst], std::move(iov));
+    for (auto& t : by_c10d) {  // in descriptor order, as the receiver posts its receives
+      std::vector<at::Tensor> one{t};
+      I.wait_payload(I.payload_pg->send(one, dst, kPayloadTag),
+                     str_cat("pp rank ", dst, " to receive a pipeline tensor (c10d send)"));
+    }
   } catch (const std::exception& e) {
     throw CommError(str_cat("smp: pipeline send to pp rank ", dst, " failed (microbatch ", msg.mb,
                             ", call ", msg.call_id, ", kind ", msg.kind, "): ", first_line(e.what())));

@@ -28,6 +28,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 namespace c10d {
+class ProcessGroup;
 class Store;
 }
 
@@ -65,6 +66,13 @@ struct Message {
   std::vector<at::Tensor> tensors;
 };
 
+// Where a message's tensors travel (Note [Payload transports]).
+enum class PayloadTransport : int32_t {
+  kTcp = 0,   // inside the message on the TCP mesh (CPU tensors only)
+  kC10d = 1,  // every tensor by c10d send/recv on the payload group (Gloo: CPU, NCCL: CUDA)
+  kAuto = 2,  // CPU tensors on the mesh, CUDA tensors by c10d send/recv
+};
+
 class P2PEngine {
  public:
   // Connects `rank` to the other `size` - 1 ranks of its group. Every rank of the group
@@ -79,6 +87,17 @@ class P2PEngine {
 
   int rank() const;
   int size() const;
+
+  // Note [Payload transports]: the header, the meta bytes and (by default) the tensors
+  // of a message travel on the TCP mesh. With a payload group (the same ranks as this
+  // engine's group, in the same order; a group of its own, so no collective shares its
+  // tags), tensors can go by c10d send/recv instead: CUDA tensors never touch host
+  // memory when the group is NCCL. The header still goes first on the mesh and tells
+  // the receiver which tensors follow by c10d and on which device type; received CUDA
+  // tensors are allocated on `device` (this rank's GPU). Call once, before any send,
+  // on every rank of the group with the same `transport`.
+  void set_payload_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                         PayloadTransport transport, const std::string& device = "cpu");
 
   // Sends `msg` to pp rank `dst` (blocking until the bytes are in the kernel's socket
   // buffer). Sending to oneself delivers into the own mailbox.

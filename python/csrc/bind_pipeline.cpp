@@ -1,5 +1,6 @@
 // Bindings of the pipeline transport (smp_core/p2p): Python builds messages from
 // module calls; C++ moves and matches them.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <optional>
 
@@ -69,6 +70,10 @@ void bind_pipeline(py::module_& m) {
                              std::get<2>(*failed) ? Phase::kBackward : Phase::kForward};
              return s.grid(path, &cell);
            }, py::arg("path") = std::vector<int64_t>{}, py::arg("failed") = py::none());
+  py::enum_<PayloadTransport>(m, "PayloadTransport")
+      .value("TCP", PayloadTransport::kTcp)
+      .value("C10D", PayloadTransport::kC10d)
+      .value("AUTO", PayloadTransport::kAuto);
   py::class_<Message>(m, "Message")
       .def(py::init([](int64_t mb, int64_t call_id, int32_t kind, const py::bytes& meta,
                        std::vector<at::Tensor> tensors) {
@@ -110,6 +115,8 @@ void bind_pipeline(py::module_& m) {
       .def("acquire_token", &P2PEngine::acquire_token, release())
       .def("release_token", &P2PEngine::release_token, release())
       .def("begin_step", &P2PEngine::begin_step, py::arg("epoch"))
+      .def("set_payload_group", &P2PEngine::set_payload_group, py::arg("group"),
+           py::arg("transport"), py::arg("device") = "cpu")
       .def("stats", &P2PEngine::stats);
 }
 

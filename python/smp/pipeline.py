@@ -20,6 +20,7 @@ exception and its traceback; the step body raises it on the driver, which then s
 ABORT to every pp rank, so every rank raises the same error and none hangs.
 """
 import contextlib
+import datetime
 import os
 import pickle
 import queue
@@ -28,6 +29,7 @@ import threading
 import traceback
 
 import torch
+import torch.distributed as dist
 
 from smp import _C, core, placement
 from smp.step import same_sequence
@@ -205,6 +207,7 @@ class Engine:
         self.p2p = _C.P2PEngine(core.state.store, f"smp/p2p/{pp_ranks[0]}/{Engine._created}",
                                 core.pp_rank(), core.pp_size(), self.cfg.timeout_s,
                                 os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        self._set_payload_transport(pp_ranks)
         self.owned = {}        # module name -> module (served here)
         self.subtrees = {}     # module name -> its subtree's modules (mode flags)
         self.records = {}      # (caller, mb, call id) -> (input leaves, outputs)
@@ -221,6 +224,25 @@ class Engine:
                                     self.cfg.active_microbatches)
         self._order = self.schedule.recv_order()
         self._serving = None
+
+    def _set_payload_transport(self, pp_ranks):
+        """Note [Payload transports] in smp_core/p2p.h: with config 'p2p_transport'
+        'c10d' (or 'auto' where CUDA is available) tensors travel by c10d send/recv on a
+        group of the pp ranks of their own (Gloo for CPU, NCCL for CUDA tensors)."""
+        mode = self.cfg.p2p_transport
+        cuda = torch.cuda.is_available()
+        if mode == "tcp" or (mode == "auto" and not cuda):
+            return
+        backend = core._choose_backend("nccl") if cuda and dist.is_nccl_available() else "gloo"
+        timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
+        mine = None
+        for ranks in core.state.topology.all_pp_groups():  # every rank, the same order
+            group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+            if list(ranks) == list(pp_ranks):
+                mine = group
+        device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+        kind = _C.PayloadTransport.C10D if mode == "c10d" else _C.PayloadTransport.AUTO
+        self.p2p.set_payload_group(mine, kind, device)
 
     def _priority(self, mb, backward):
         return self.schedule.priority(mb, backward)

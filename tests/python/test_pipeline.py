@@ -189,6 +189,19 @@ def test_pp2_matches_single_process(ranks, pipeline, mb):
     _run(ranks, 2, {"partitions": 2, "microbatches": mb, "pipeline": pipeline})
 
 
+# The c10d payload path (Note [Payload transports] in smp_core/p2p.h) through the same
+# checks: tensors by Gloo send/recv here, as CUDA tensors go by NCCL on GPU machines.
+@pytest.mark.parametrize("world,cfg,model", [
+    (2, {"partitions": 2, "microbatches": 4}, "residual"),
+    (2, {"partitions": 2, "microbatches": 2, "pipeline": "simple"}, "fancy"),
+    (2, {"partitions": 2, "microbatches": 2}, "nested"),
+    (4, {"partitions": 4, "microbatches": 4}, "residual"),
+    (4, {"partitions": 2, "microbatches": 2, "ddp": True}, "residual"),
+], ids=["pp2-mb4", "pp2-simple-fancy", "pp2-nested", "pp4", "pp2xdp2"])
+def test_c10d_transport_matches_single_process(ranks, world, cfg, model):
+    _run(ranks, world, dict(cfg, p2p_transport="c10d"), model)
+
+
 def test_pp4_mb4(ranks):
     res = _run(ranks, 4, {"partitions": 4, "microbatches": 4})
     owned = json.loads(res[0].stdout.split("owned", 1)[1].splitlines()[0])

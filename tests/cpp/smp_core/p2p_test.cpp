@@ -70,6 +70,39 @@ TEST(P2P, LargeAndEmptyTensorsAndManyDtypes) {
   });
 }
 
+// Note [Payload transports]: tensors by c10d send/recv (Gloo here; NCCL for CUDA), the
+// header on the mesh; both directions at once, mixed with tensor-less messages.
+TEST(P2P, TensorsByC10dSendRecv) {
+  for (auto mode : {PayloadTransport::kC10d, PayloadTransport::kAuto}) {
+    run_gloo_world(2, [mode](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr& store) {
+      P2PEngine eng(store, "p2p", r, 2, 10);
+      eng.set_payload_group(pg, mode);
+      std::vector<at::Tensor> ts = {at::arange(300000, at::kFloat).view({3, 100000}),
+                                    at::empty({0, 5}), at::arange(7, at::kLong), at::ones({2}).gt(0)};
+      const int peer = 1 - r;
+      std::thread sender([&] {
+        for (int i = 0; i < 5; ++i) {
+          std::vector<at::Tensor> mine;
+          for (auto& t : ts) mine.push_back(t + (t.is_floating_point() ? r + i : 0));
+          eng.send(peer, make(i, r, kRequest, "t" + std::to_string(i), mine));
+          eng.send(peer, make(i, 10 + r, kResponse, "no tensors"));
+        }
+      });
+      for (int i = 4; i >= 0; --i) {  // matched by key, whatever the arrival order
+        Message m = eng.recv(i, peer, bit(kRequest), "tensors");
+        ASSERT_EQ(m.tensors.size(), ts.size());
+        for (size_t k = 0; k < ts.size(); ++k) {
+          auto want = ts[k] + (ts[k].is_floating_point() ? peer + i : 0);
+          EXPECT_EQ(m.tensors[k].scalar_type(), want.scalar_type());
+          EXPECT_TRUE(m.tensors[k].equal(want)) << "mode " << static_cast<int>(mode) << " i " << i;
+        }
+        EXPECT_EQ(eng.recv(i, 10 + peer, bit(kResponse), "plain").meta, "no tensors");
+      }
+      sender.join();
+    });
+  }
+}
+
 TEST(P2P, ConcurrentSendersNeverInterleave) {
   run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
     P2PEngine eng(store, "p2p", r, 2, 10);

@@ -208,6 +208,10 @@ def test_pp4_mb4(ranks):
     assert len(owned) == 4 and all(owned)
 
 
+def test_pp4_dp2_eight_ranks(ranks):
+    _run(ranks, 8, {"partitions": 4, "microbatches": 4, "ddp": True})
+
+
 def test_pp2_dp2(ranks):
     _run(ranks, 4, {"partitions": 2, "microbatches": 2, "ddp": True})
 

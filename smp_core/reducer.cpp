@@ -147,6 +147,16 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   at::Tensor order;
   CommQueue::TicketPtr order_ticket;
   double copy_in_ms = 0;
+  int64_t early_buckets = 0;
+  double first_launch_s = 0;
+
+  // Pipeline steps (Note [Pipeline overlap]).
+  bool pipeline = false;                  // this sync step is a pipeline step
+  bool finalizing = false;                // finalize() has begun (the tail may launch)
+  std::vector<int64_t> fires;             // accumulator fires this step
+  std::vector<int64_t> expected_fires;    // fires of the last pipeline step (empty: none)
+  std::vector<char> hold;                 // ready only in finalize (tied weights)
+  int64_t stale = 0;                      // fires after a parameter was copied out
 
   // Gradient order of the first step (Note [Bucket rebuild]).
   bool recording = true;
@@ -172,7 +182,10 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   void submit_order_locked();
   std::vector<int64_t> layout_order() const;
   bool apply_order();
-  void prepare(bool sync, double grad_scale, const std::vector<at::Tensor>& outputs);
+  void prepare(bool sync, double grad_scale, const std::vector<at::Tensor>& outputs,
+               const std::vector<int64_t>* held = nullptr);
+  void prepare_pipeline(double grad_scale, const std::vector<int64_t>& held);
+  void redo_all_locked();
   ReducerStats finalize();
   void shadow_step();
   void shutdown();
@@ -299,7 +312,7 @@ void Reducer::Impl::make_arena(const std::vector<std::vector<int64_t>>& for_layo
     for (int64_t i : b) bucket += params[i].numel() * params[i].element_size();
     bytes += align64(bucket);
   }
-  bytes += align64(params.size() * sizeof(int32_t));  // the used-parameter bitmap
+  bytes += align64((params.size() + 1) * sizeof(int32_t));  // used bitmap + stale count
   arena = detail::ShmArena::create(pg, bytes, opts.timeout_s,
                                    "the shared-memory segment of the reducer on " + group);
 }
@@ -353,9 +366,9 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
   const int64_t n = static_cast<int64_t>(params.size());
   if (arena) {
     bitmap_offset = slot_used;
-    bitmap = arena->slot_tensor(bitmap_offset, n, at::kInt);
+    bitmap = arena->slot_tensor(bitmap_offset, n + 1, at::kInt);
   } else {
-    bitmap = at::zeros({std::max<int64_t>(n, 1)}, at::kInt);  // Gloo: no empty tensors
+    bitmap = at::zeros({n + 1}, at::kInt);  // the last slot: Note [Pipeline overlap]
   }
   if (default_hook)
     hook = arena ? CommHookPtr(std::make_shared<ShmSumHook>(arena, offsets, opts.timeout_s, group))
@@ -368,8 +381,8 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
 
 // --- one step ---------------------------------------------------------------------
 
-void Reducer::Impl::prepare(bool sync, double grad_scale,
-                            const std::vector<at::Tensor>& outputs) {
+void Reducer::Impl::prepare(bool sync, double grad_scale, const std::vector<at::Tensor>& outputs,
+                            const std::vector<int64_t>* held) {
   std::lock_guard<std::mutex> lock(mu);
   check_usable();
   if (phase == Phase::kSync)
@@ -408,11 +421,57 @@ void Reducer::Impl::prepare(bool sync, double grad_scale,
   std::fill(runs.begin(), runs.end(), nullptr);
   std::fill(tickets.begin(), tickets.end(), nullptr);
   bitmap_ticket = order_ticket = nullptr;
-  std::vector<char> reachable(params.size(), 0);
-  if (!outputs.empty()) detail::mark_reachable(outputs, node_index, reachable);
-  for (size_t i = 0; i < params.size(); ++i)
-    if (!reachable[i]) mark_ready_locked(static_cast<int64_t>(i));
+  pipeline = held != nullptr;
+  finalizing = false;
+  early_buckets = 0;
+  first_launch_s = 0;
+  if (pipeline) {  // Note [Pipeline overlap]
+    stale = 0;
+    fires.assign(params.size(), 0);
+    hold.assign(params.size(), opts.gradient_as_bucket_view ? 1 : 0);
+    for (int64_t i : *held) {
+      SMP_CHECK(i >= 0 && i < static_cast<int64_t>(params.size()), "Reducer: held parameter ",
+                i, " out of range");
+      hold[i] = 1;
+    }
+    // A parameter that no backward of the last step touched is final already.
+    if (!expected_fires.empty())
+      for (size_t i = 0; i < params.size(); ++i)
+        if (!hold[i] && expected_fires[i] == 0) mark_ready_locked(static_cast<int64_t>(i));
+  } else {
+    std::vector<char> reachable(params.size(), 0);
+    if (!outputs.empty()) detail::mark_reachable(outputs, node_index, reachable);
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!reachable[i]) mark_ready_locked(static_cast<int64_t>(i));
+  }
   if (opts.overlapping) launch_ready_locked();
+}
+
+// Note [Pipeline overlap]: with partitions > 1 a rank runs the backward of each
+// microbatch's calls separately, so a parameter's accumulator fires once per call of
+// its module per microbatch, and its gradient is final after the last of them. The
+// reducer counts the fires of each synchronized pipeline step and, from the next one
+// on, takes a parameter as ready when its count reaches the last step's: its bucket
+// then launches while the rest of the pipeline's backward runs. The tail (the
+// used-parameter bitmap) waits for finalize(); its last slot carries the number of
+// fires that came after their parameter was copied out (a module called more often
+// than in the step before). If any rank saw one, every rank discards the step's
+// results and reduces every gradient again from .grad, which still holds the local
+// sums (results are written back only after that check). Held parameters (tied
+// weights, summed across pp ranks after the step) are ready only in finalize(), as
+// is everything with gradient_as_bucket_view (the bucket would alias .grad).
+void Reducer::Impl::prepare_pipeline(double grad_scale, const std::vector<int64_t>& held) {
+  prepare(true, grad_scale, {}, &held);
+}
+
+// Every bucket again from .grad (the tail is not sent again). Holds mu.
+void Reducer::Impl::redo_all_locked() {
+  std::fill(ready.begin(), ready.end(), 0);
+  std::fill(used.begin(), used.end(), 0);
+  for (auto& bk : buckets) bk.pending = bk.params.size();
+  next_launch = 0;
+  for (size_t i = 0; i < params.size(); ++i) mark_ready_locked(static_cast<int64_t>(i));
+  while (next_launch < buckets.size()) launch_locked(next_launch++, false);
 }
 
 void Reducer::Impl::on_grad_ready(int64_t i) {
@@ -422,6 +481,16 @@ void Reducer::Impl::on_grad_ready(int64_t i) {
     ready_order.push_back(i);
   }
   if (phase != Phase::kSync) return;
+  if (pipeline) {  // Note [Pipeline overlap]
+    ++fires[i];
+    if (ready[i]) {
+      ++stale;
+    } else if (!hold[i] && !expected_fires.empty() && fires[i] == expected_fires[i]) {
+      mark_ready_locked(i);
+      if (opts.overlapping) launch_ready_locked();
+    }
+    return;
+  }
   if (ready[i])
     throw std::logic_error(str_cat(
         "smp: Reducer: the gradient of parameter ", i, " (", describe(params[i]),
@@ -467,11 +536,13 @@ void Reducer::Impl::launch_ready_locked() {
   while (next_launch < buckets.size() && buckets[next_launch].pending == 0)
     launch_locked(next_launch++, false);
   if (next_launch < buckets.size() || tail_launched) return;
+  if (pipeline && !finalizing) return;  // a late fire may still come (stale count)
   tail_launched = true;
   // After the buckets, in the same queue: the used-parameter bitmap (every step) and
   // the first step's gradient order. Every gradient is final by now.
   int32_t* d = bitmap.data_ptr<int32_t>();
   for (size_t i = 0; i < params.size(); ++i) d[i] = used[i];
+  d[params.size()] = static_cast<int32_t>(stale);
   auto what = "the used-parameter allreduce on " + group;
   bitmap_ticket = queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
                                        s = opts.timeout_s, what] {
@@ -487,6 +558,10 @@ void Reducer::Impl::launch_ready_locked() {
 
 void Reducer::Impl::launch_locked(size_t b, bool shadow) {
   Bucket& bk = buckets[b];
+  if (!shadow && !finalizing) {
+    if (early_buckets++ == 0)
+      first_launch_s = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  }
   auto run = std::make_shared<BucketRun>();
   run->bucket = std::make_shared<GradBucket>(
       b, buckets.size(), shadow ? at::zeros_like(bk.buffer) : bk.buffer, bk.tensors,
@@ -619,6 +694,10 @@ ReducerStats Reducer::Impl::finalize() {
         "before the step's last backward");
   ReducerStats st = stats;
   try {
+    finalizing = true;
+    st.redone = false;
+    st.early_buckets = early_buckets;
+    st.first_launch_s = first_launch_s;
     // Reachable parameters whose accumulator never fired count as ready now.
     for (size_t i = 0; i < params.size(); ++i)
       if (!ready[i]) mark_ready_locked(static_cast<int64_t>(i));
@@ -628,9 +707,29 @@ ReducerStats Reducer::Impl::finalize() {
     auto bitmap_t = bitmap_ticket, order_t = order_ticket;
     lock.unlock();
 
-    // Bucket b is written back while later buckets are still being reduced.
     at::NoGradGuard no_grad;
     st.wait_ms = st.write_back_ms = st.comm_ms = 0;
+    if (pipeline) {  // Note [Pipeline overlap]: check the stale count before writing back
+      auto t0 = Clock::now();
+      for (size_t b = 0; b < waits.size(); ++b) await_bucket(b, waits[b]);
+      queue->wait(bitmap_t, opts.timeout_s + 1.0);
+      if (bitmap.data_ptr<int32_t>()[params.size()] > 0) {
+        lock.lock();
+        st.redone = true;
+        redo_all_locked();
+        waits = tickets;
+        lock.unlock();
+        for (size_t b = 0; b < waits.size(); ++b) await_bucket(b, waits[b]);
+      }
+      for (size_t b = 0; b < waits.size(); ++b) st.comm_ms += runs[b]->comm_ms();
+      st.wait_ms += ms_since(t0);
+      auto t1 = Clock::now();
+      for (size_t b = 0; b < waits.size(); ++b) write_back(b, nullptr);
+      st.write_back_ms += ms_since(t1);
+      expected_fires = fires;
+      waits.clear();  // done: the loop below has nothing left
+    }
+    // Bucket b is written back while later buckets are still being reduced.
     for (size_t b = 0; b < waits.size(); ++b) {
       auto t0 = Clock::now();
       await_bucket(b, waits[b]);
@@ -732,6 +831,11 @@ void Reducer::register_comm_hook(CommHookPtr hook) {
     throw std::logic_error("smp: register_comm_hook must be called once, before the first step");
   impl_->hook = std::move(hook);
   impl_->default_hook = false;
+}
+
+void Reducer::prepare_for_pipeline_backward(double grad_scale,
+                                            const std::vector<int64_t>& hold) {
+  impl_->prepare_pipeline(grad_scale, hold);
 }
 
 void Reducer::prepare_for_backward(bool sync, double grad_scale,

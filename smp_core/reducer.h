@@ -77,6 +77,9 @@ struct ReducerStats {
   int64_t unused_local = 0;     // params without a gradient on this rank
   int64_t unused_global = 0;    // params without a gradient on every rank
   bool rebuilt = false;         // the buckets were rebuilt at the end of this step
+  bool redone = false;          // pipeline step reduced twice (a late gradient somewhere)
+  int64_t early_buckets = 0;    // buckets launched before finalize() (overlapped backward)
+  double first_launch_s = 0;    // steady clock (s) of the step's first launch; 0: none
 };
 
 class Reducer {
@@ -104,6 +107,15 @@ class Reducer {
   // empty `outputs` means every gradient is already final (backward has run).
   void prepare_for_backward(bool sync, double grad_scale = 1.0,
                             const std::vector<at::Tensor>& outputs = {});
+
+  // Pipeline parallelism (partitions > 1), instead of prepare_for_backward(true, ...):
+  // call once in a synchronized step, before this rank's first backward work of it,
+  // then finalize() after the step. From the second such step on, a parameter is ready
+  // when its grad accumulator has fired as often as in the step before (after its last
+  // microbatch's backward), so its bucket launches during the rest of the pipeline's
+  // backward. `hold`: parameter indices ready only in finalize() (tied weights summed
+  // across pp ranks after the step). See Note [Pipeline overlap] in reducer.cpp.
+  void prepare_for_pipeline_backward(double grad_scale, const std::vector<int64_t>& hold = {});
 
   // After the step's last backward: launches what is left, waits for every bucket,
   // writes each parameter's .grad and reduces which parameters were used: one unused

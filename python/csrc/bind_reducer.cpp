@@ -134,6 +134,9 @@ py::dict stats_dict(const ReducerStats& s) {
   d["unused_local"] = s.unused_local;
   d["unused_global"] = s.unused_global;
   d["rebuilt"] = s.rebuilt;
+  d["redone"] = s.redone;
+  d["early_buckets"] = s.early_buckets;
+  d["first_launch_s"] = s.first_launch_s;
   return d;
 }
 
@@ -253,6 +256,8 @@ void bind_reducer(py::module_& m) {
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("sync"),
            py::arg("grad_scale") = 1.0, py::arg("outputs") = std::vector<at::Tensor>{},
            release())
+      .def("prepare_for_pipeline_backward", &Reducer::prepare_for_pipeline_backward,
+           py::arg("grad_scale") = 1.0, py::arg("hold") = std::vector<int64_t>{}, release())
       .def("finalize", [](Reducer& r) { r.finalize(); }, release())
       .def("run_shadow_step", &Reducer::run_shadow_step, release())
       .def("register_comm_hook", [](Reducer& r, const py::object& state, const py::object& hook) {

@@ -12,6 +12,7 @@ Gradient averaging (explicit, see docs/data_parallel.md):
   group size before the sum, as torch DDP does).
 """
 import sys
+import threading
 
 import torch
 
@@ -111,6 +112,8 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
         self._pending_state = None  # load_state_dict before partitioning
         self._module_table = None   # (name, module) of the plain module, after partitioning
         self._tied = None           # placement.TiedParameters (partitions > 1)
+        self._arm_reducer = False   # Note [Pipeline overlap]: arm at the first backward
+        self._arm_lock = threading.Lock()
         core.state.model = self
 
     # --- wrapper plumbing -------------------------------------------------------------
@@ -250,6 +253,13 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
     def _run_pipeline_step(self, fn, mb_inputs, sync_step):
         self._in_step = True
         self._backward_this_step = False
+        # Note [Pipeline overlap] (smp_core/reducer.cpp): the reducer is armed when this
+        # rank's first backward work of a synchronized step begins, so each bucket
+        # launches once its gradients are final, during the rest of the backward.
+        reduce = sync_step and self._dp_reduce
+        if reduce and self._reducer is None:
+            self._make_reducer()  # every dp rank, at the same step
+        self._arm_reducer = reduce
         try:
             self._tied.begin_step()
             try:
@@ -261,17 +271,28 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
                 self._tied.sum_grads()
             else:
                 self._tied.restore_grads()
-            if backward and sync_step and self._dp_reduce:
-                if self._reducer is None:
-                    self._make_reducer()
-                # Every local gradient is final once the driver ends the step.
-                self._reducer.prepare_for_backward(True, 1.0, [])
+            if backward and reduce:
+                self.begin_pipeline_backward()  # a rank that had no backward work
                 self._reducer.finalize()
         finally:
             self._in_step = False
+            self._arm_reducer = False
         for hook in list(self._post_step_hooks.values()):
             hook(self, core.state.optimizer)
         return results
+
+    def begin_pipeline_backward(self):
+        """Called by every task before its backward work (any thread): the first call of
+        a synchronized step arms the reducer (Note [Pipeline overlap])."""
+        if not self._arm_reducer:
+            return
+        with self._arm_lock:
+            if not self._arm_reducer:
+                return
+            self._arm_reducer = False
+            params = self._reduced_params()
+            hold = [i for i, p in enumerate(params) if self._tied.holds(p)]
+            self._reducer.prepare_for_pipeline_backward(1.0, hold)
 
     def _broadcast(self, tensors):
         with torch.no_grad():
@@ -347,6 +368,7 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
             self._engine.forward_finished(core.state.microbatch_of_task())
             self._engine.wait_all_forwards()
             self._backward_this_step = True
+            self.begin_pipeline_backward()
         elif self._dp_reduce:
             if self._reducer is None:
                 self._make_reducer()

@@ -335,6 +335,7 @@ class Engine:
             else:
                 present = pickle.loads(msg.meta)
                 inputs, outs = self.records.pop(key)
+                self.model.begin_pipeline_backward()
                 grads = iter(msg.tensors)
                 pairs = [(o, next(grads)) for o, p in zip(outs, present) if p]
                 with timeline.span("bwd", mb=msg.mb):

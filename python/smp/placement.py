@@ -135,6 +135,10 @@ class TiedParameters:
     def names(self):
         return [name for name, _, _ in self.entries]
 
+    def holds(self, tensor):
+        """Whether `tensor` is one of the tied tensors."""
+        return any(t is tensor for _, t, _ in self.entries)
+
     def is_counted_here(self, tensor):
         """Whether this rank counts `tensor` in global reductions (norms): its lowest
         holder does, so a tied parameter counts once."""

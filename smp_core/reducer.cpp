@@ -53,15 +53,16 @@ class SumAllreduceHook : public CommHook {
 class ShmSumHook : public CommHook {
  public:
   ShmSumHook(std::shared_ptr<detail::ShmArena> arena, std::vector<size_t> offsets,
-             double timeout_s, std::string group)
+             double timeout_s, std::string group, std::shared_ptr<std::atomic<int64_t>> steps)
       : arena_(std::move(arena)), offsets_(std::move(offsets)), timeout_s_(timeout_s),
-        group_(std::move(group)) {}
+        group_(std::move(group)), steps_(std::move(steps)) {}
   FuturePtr run(GradBucket& bucket) override {
     const at::Tensor& buf = bucket.buffer();
     arena_->allreduce(offsets_.at(bucket.index()), buf.numel(), buf.scalar_type(),
                       bucket.is_shadow(), timeout_s_,
                       str_cat("bucket ", bucket.index(), " of ", bucket.bucket_count(),
-                              " (shared memory) on ", group_));
+                              " (shared memory) on ", group_, " in step ",
+                              steps_->load() + 1));
     return completed_future(buf);
   }
   std::string name() const override { return "allreduce (shared memory)"; }
@@ -72,6 +73,7 @@ class ShmSumHook : public CommHook {
   std::vector<size_t> offsets_;  // per bucket, bytes into this rank's slot
   double timeout_s_;
   std::string group_;
+  std::shared_ptr<std::atomic<int64_t>> steps_;  // the reducer's steps_run
 };
 
 size_t align64(size_t n) { return (n + 63) / 64 * 64; }
@@ -147,6 +149,9 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   at::Tensor order;
   CommQueue::TicketPtr order_ticket;
   double copy_in_ms = 0;
+  int active_ranks = 0;  // 0: divide by world (see set_active_ranks)
+  // Synchronized + shadow steps finished or failed; shared with ShmSumHook's errors.
+  std::shared_ptr<std::atomic<int64_t>> steps_done = std::make_shared<std::atomic<int64_t>>(0);
 
   // Gradient order of the first step (Note [Bucket rebuild]).
   bool recording = true;
@@ -182,9 +187,17 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
       throw CommError(str_cat("smp: the reducer of ", group,
                               " is unusable after an earlier failure: ", broken));
   }
+  // A rank that ran out of data while its peers go on leaves them waiting: a timeout
+  // of a step says so.
+  [[noreturn]] static void rethrow_with_hint(const std::exception& e) {
+    if (dynamic_cast<const TimeoutError*>(&e) != nullptr)
+      throw TimeoutError(str_cat(e.what(), " (if the ranks have different numbers of batches, "
+                                           "train inside model.join() / smp.join.Join)"));
+    throw;
+  }
   std::string bucket_what(size_t b) const {
     return str_cat("bucket ", b, " of ", buckets.size(), " (comm hook '", hook->name(),
-                   "') on ", group);
+                   "') on ", group, " in step ", steps_done->load() + 1);
   }
 };
 
@@ -358,7 +371,8 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
     bitmap = at::zeros({std::max<int64_t>(n, 1)}, at::kInt);  // Gloo: no empty tensors
   }
   if (default_hook)
-    hook = arena ? CommHookPtr(std::make_shared<ShmSumHook>(arena, offsets, opts.timeout_s, group))
+    hook = arena ? CommHookPtr(std::make_shared<ShmSumHook>(arena, offsets, opts.timeout_s, group,
+                                                             steps_done))
                  : CommHookPtr(std::make_shared<SumAllreduceHook>());
   buckets = std::move(fresh);
   layout = std::move(new_layout);
@@ -396,7 +410,7 @@ void Reducer::Impl::prepare(bool sync, double grad_scale,
     return;
   }
   phase = Phase::kSync;
-  factor = grad_scale / (default_hook ? world : 1);
+  factor = grad_scale / (default_hook ? (active_ranks > 0 ? active_ranks : world) : 1);
   scale = c10::scalar_to_tensor(factor);
   scale.unsafeGetTensorImpl()->set_wrapped_number(true);
   std::fill(ready.begin(), ready.end(), 0);
@@ -472,7 +486,8 @@ void Reducer::Impl::launch_ready_locked() {
   // the first step's gradient order. Every gradient is final by now.
   int32_t* d = bitmap.data_ptr<int32_t>();
   for (size_t i = 0; i < params.size(); ++i) d[i] = used[i];
-  auto what = "the used-parameter allreduce on " + group;
+  auto what = str_cat("the used-parameter allreduce on ", group, " in step ",
+                      steps_done->load() + 1);
   bitmap_ticket = queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
                                        s = opts.timeout_s, what] {
     if (a) {
@@ -662,8 +677,10 @@ ReducerStats Reducer::Impl::finalize() {
     if (!lock.owns_lock()) lock.lock();
     broken = e.what();
     phase = Phase::kIdle;
-    throw;
+    ++*steps_done;
+    rethrow_with_hint(e);
   }
+  ++*steps_done;
   phase = Phase::kIdle;
   st.steps = stats.steps + 1;
   st.buckets = static_cast<int64_t>(buckets.size());
@@ -707,8 +724,10 @@ void Reducer::Impl::shadow_step() {
   } catch (const std::exception& e) {
     if (!lock.owns_lock()) lock.lock();
     broken = e.what();
-    throw;
+    ++*steps_done;
+    rethrow_with_hint(e);
   }
+  ++*steps_done;
 }
 
 void Reducer::Impl::shutdown() {
@@ -742,6 +761,19 @@ void Reducer::prepare_for_backward(bool sync, double grad_scale,
 ReducerStats Reducer::finalize() { return impl_->finalize(); }
 
 void Reducer::run_shadow_step() { impl_->shadow_step(); }
+
+void Reducer::set_active_ranks(int n) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (n < 0 || n > impl_->world)
+    throw ConfigError(str_cat("smp: Reducer.set_active_ranks(", n, "): allowed 0..",
+                              impl_->world, " (the size of ", impl_->group, ")"));
+  if (impl_->phase == Impl::Phase::kSync)
+    throw std::logic_error("smp: Reducer.set_active_ranks() was called inside a synchronized "
+                           "step; call it before prepare_for_backward(sync=True)");
+  impl_->active_ranks = n;
+}
+
+int64_t Reducer::steps_run() const { return impl_->steps_done->load(); }
 
 std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
   std::lock_guard<std::mutex> lock(impl_->mu);

@@ -83,12 +83,12 @@ _protocols = {}
 
 def _protocol(pg):
     """The JoinProtocol of `pg` (one per group, so its iteration count is the group's)."""
-    proto = _protocols.get(id(pg))
-    if proto is None or proto.process_group is not pg:
+    held = _protocols.get(id(pg))
+    if held is None or held[0] is not pg:
         name = "dp" if core.is_initialized() and pg is core.get_dp_process_group() else "join"
-        proto = _C.JoinProtocol(pg, group_name=name)
-        _protocols[id(pg)] = proto
-    return proto
+        held = (pg, _C.JoinProtocol(pg, group_name=name))
+        _protocols[id(pg)] = held
+    return held[1]
 
 
 def _early_termination_error(n_joined, proto):
@@ -264,10 +264,7 @@ class _OptimizerJoinHook(JoinHook):
 
 
 def model_join_hook(model, **kwargs):
-    unknown = set(kwargs) - {"divide_by_initial_world_size"}
-    if unknown:
-        raise ValueError(f"smp.join: DistributedModel.join_hook got unknown arguments "
-                         f"{sorted(unknown)} (allowed: divide_by_initial_world_size)")
+    # Other kwargs are meant for other joinables of the same context (torch's rule).
     return _ModelJoinHook(model, kwargs.get("divide_by_initial_world_size", True))
 
 
@@ -302,10 +299,10 @@ class _StepJoin:
             return sync_step
         n = self.proto.allreduce_sum(1 if sync_step else 0, "the join 'sync' allreduce")
         self.sync = bool(sync_step)
-        if n > 0 or sync_step:
-            _ensure_reducer(m)
-            m._reducer.set_active_ranks(
-                0 if getattr(m, "_join_divide_by_initial", True) else max(int(n), 1))
+        # Made here, not at the first backward: a joined rank makes it at the same point.
+        _ensure_reducer(m)
+        m._reducer.set_active_ranks(
+            0 if getattr(m, "_join_divide_by_initial", True) else max(int(n), 1))
         return self.sync
 
     def end_step(self, reduced):
@@ -353,8 +350,8 @@ def shadow_step(model):
     elif _has_buffers(model):
         _sync_buffers(model, proto, candidate=False)
     n = proto.allreduce_sum(0, "the join 'sync' allreduce")
+    _ensure_reducer(model)
     if n > 0:
-        _ensure_reducer(model)
         model._reducer.run_shadow_step()
 
 

@@ -53,15 +53,16 @@ class SumAllreduceHook : public CommHook {
 class ShmSumHook : public CommHook {
  public:
   ShmSumHook(std::shared_ptr<detail::ShmArena> arena, std::vector<size_t> offsets,
-             double timeout_s, std::string group)
+             double timeout_s, std::string group, std::shared_ptr<std::atomic<int64_t>> steps)
       : arena_(std::move(arena)), offsets_(std::move(offsets)), timeout_s_(timeout_s),
-        group_(std::move(group)) {}
+        group_(std::move(group)), steps_(std::move(steps)) {}
   FuturePtr run(GradBucket& bucket) override {
     const at::Tensor& buf = bucket.buffer();
     arena_->allreduce(offsets_.at(bucket.index()), buf.numel(), buf.scalar_type(),
                       bucket.is_shadow(), timeout_s_,
                       str_cat("bucket ", bucket.index(), " of ", bucket.bucket_count(),
-                              " (shared memory) on ", group_));
+                              " (shared memory) on ", group_, " in step ",
+                              steps_->load() + 1));
     return completed_future(buf);
   }
   std::string name() const override { return "allreduce (shared memory)"; }
@@ -72,6 +73,7 @@ class ShmSumHook : public CommHook {
   std::vector<size_t> offsets_;  // per bucket, bytes into this rank's slot
   double timeout_s_;
   std::string group_;
+  std::shared_ptr<std::atomic<int64_t>> steps_;  // the reducer's steps_run
 };
 
 size_t align64(size_t n) { return (n + 63) / 64 * 64; }
@@ -157,6 +159,9 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   std::vector<int64_t> expected_fires;    // fires of the last pipeline step (empty: none)
   std::vector<char> hold;                 // ready only in finalize (tied weights)
   int64_t stale = 0;                      // fires after a parameter was copied out
+  int active_ranks = 0;  // 0: divide by world (see set_active_ranks)
+  // Synchronized + shadow steps finished or failed; shared with ShmSumHook's errors.
+  std::shared_ptr<std::atomic<int64_t>> steps_done = std::make_shared<std::atomic<int64_t>>(0);
 
   // Gradient order of the first step (Note [Bucket rebuild]).
   bool recording = true;
@@ -195,9 +200,17 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
       throw CommError(str_cat("smp: the reducer of ", group,
                               " is unusable after an earlier failure: ", broken));
   }
+  // A rank that ran out of data while its peers go on leaves them waiting: a timeout
+  // of a step says so.
+  [[noreturn]] static void rethrow_with_hint(const std::exception& e) {
+    if (dynamic_cast<const TimeoutError*>(&e) != nullptr)
+      throw TimeoutError(str_cat(e.what(), " (if the ranks have different numbers of batches, "
+                                           "train inside model.join() / smp.join.Join)"));
+    throw;
+  }
   std::string bucket_what(size_t b) const {
     return str_cat("bucket ", b, " of ", buckets.size(), " (comm hook '", hook->name(),
-                   "') on ", group);
+                   "') on ", group, " in step ", steps_done->load() + 1);
   }
 };
 
@@ -371,7 +384,8 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
     bitmap = at::zeros({n + 1}, at::kInt);  // the last slot: Note [Pipeline overlap]
   }
   if (default_hook)
-    hook = arena ? CommHookPtr(std::make_shared<ShmSumHook>(arena, offsets, opts.timeout_s, group))
+    hook = arena ? CommHookPtr(std::make_shared<ShmSumHook>(arena, offsets, opts.timeout_s, group,
+                                                             steps_done))
                  : CommHookPtr(std::make_shared<SumAllreduceHook>());
   buckets = std::move(fresh);
   layout = std::move(new_layout);
@@ -409,7 +423,7 @@ void Reducer::Impl::prepare(bool sync, double grad_scale, const std::vector<at::
     return;
   }
   phase = Phase::kSync;
-  factor = grad_scale / (default_hook ? world : 1);
+  factor = grad_scale / (default_hook ? (active_ranks > 0 ? active_ranks : world) : 1);
   scale = c10::scalar_to_tensor(factor);
   scale.unsafeGetTensorImpl()->set_wrapped_number(true);
   std::fill(ready.begin(), ready.end(), 0);
@@ -543,7 +557,8 @@ void Reducer::Impl::launch_ready_locked() {
   int32_t* d = bitmap.data_ptr<int32_t>();
   for (size_t i = 0; i < params.size(); ++i) d[i] = used[i];
   d[params.size()] = static_cast<int32_t>(stale);
-  auto what = "the used-parameter allreduce on " + group;
+  auto what = str_cat("the used-parameter allreduce on ", group, " in step ",
+                      steps_done->load() + 1);
   bitmap_ticket = queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
                                        s = opts.timeout_s, what] {
     if (a) {
@@ -761,8 +776,10 @@ ReducerStats Reducer::Impl::finalize() {
     if (!lock.owns_lock()) lock.lock();
     broken = e.what();
     phase = Phase::kIdle;
-    throw;
+    ++*steps_done;
+    rethrow_with_hint(e);
   }
+  ++*steps_done;
   phase = Phase::kIdle;
   st.steps = stats.steps + 1;
   st.buckets = static_cast<int64_t>(buckets.size());
@@ -783,13 +800,16 @@ void Reducer::Impl::shadow_step() {
       launch_locked(b, true);
       waits.push_back(tickets[b]);
     }
+    // Zeros from this rank; the sum comes back, so a late-gradient redo by the ranks
+    // still training (its last slot, Note [Pipeline overlap]) is shadowed too.
+    bitmap.zero_();
     auto what = "the used-parameter allreduce (shadow step) on " + group;
-    waits.push_back(queue->submit(what, [g = pg, a = arena, off = bitmap_offset,
-                                         n = bitmap.numel(), s = opts.timeout_s, what] {
+    waits.push_back(queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
+                                         s = opts.timeout_s, what] {
       if (a) {
-        a->allreduce(off, n, at::kInt, /*shadow=*/true, s, what);
+        a->allreduce(off, t.numel(), at::kInt, /*shadow=*/false, s, what);
       } else {
-        std::vector<at::Tensor> v{at::zeros({n}, at::kInt)};
+        std::vector<at::Tensor> v{t};
         wait_work(g->allreduce(v), s, what);
       }
     }));
@@ -801,13 +821,22 @@ void Reducer::Impl::shadow_step() {
     for (size_t b = 0; b < buckets.size(); ++b) await_bucket(b, waits[b]);
     for (size_t k = buckets.size(); k < waits.size(); ++k) queue->wait(waits[k], opts.timeout_s + 1.0);
     lock.lock();
+    if (bitmap.data_ptr<int32_t>()[params.size()] > 0) {  // the others reduce again
+      for (size_t b = 0; b < buckets.size(); ++b) launch_locked(b, true);
+      auto again = tickets;
+      lock.unlock();
+      for (size_t b = 0; b < buckets.size(); ++b) await_bucket(b, again[b]);
+      lock.lock();
+    }
     std::fill(runs.begin(), runs.end(), nullptr);
     if (rebuild_pending) apply_order();
   } catch (const std::exception& e) {
     if (!lock.owns_lock()) lock.lock();
     broken = e.what();
-    throw;
+    ++*steps_done;
+    rethrow_with_hint(e);
   }
+  ++*steps_done;
 }
 
 void Reducer::Impl::shutdown() {
@@ -846,6 +875,19 @@ void Reducer::prepare_for_backward(bool sync, double grad_scale,
 ReducerStats Reducer::finalize() { return impl_->finalize(); }
 
 void Reducer::run_shadow_step() { impl_->shadow_step(); }
+
+void Reducer::set_active_ranks(int n) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (n < 0 || n > impl_->world)
+    throw ConfigError(str_cat("smp: Reducer.set_active_ranks(", n, "): allowed 0..",
+                              impl_->world, " (the size of ", impl_->group, ")"));
+  if (impl_->phase == Impl::Phase::kSync)
+    throw std::logic_error("smp: Reducer.set_active_ranks() was called inside a synchronized "
+                           "step; call it before prepare_for_backward(sync=True)");
+  impl_->active_ranks = n;
+}
+
+int64_t Reducer::steps_run() const { return impl_->steps_done->load(); }
 
 std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
   std::lock_guard<std::mutex> lock(impl_->mu);

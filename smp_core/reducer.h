@@ -129,6 +129,14 @@ class Reducer {
   // rebuild broadcast); leaves .grad untouched.
   void run_shadow_step();
 
+  // Join with divide_by_initial_world_size=False: the default hook divides the next
+  // synchronized steps' gradients by `n` (the ranks still training) instead of the
+  // group size; 0 restores the group size. Custom hooks divide as they choose (as in
+  // torch DDP). Call from the training thread between steps.
+  void set_active_ranks(int n);
+  // Synchronized steps so far, shadow steps included (errors name step steps_run()+1).
+  int64_t steps_run() const;
+
   // Parameter indices per bucket, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
   // Whether the buckets were rebuilt from the observed gradient order.

@@ -1,5 +1,5 @@
 // Bindings of the reducer: smp._C.Reducer, GradBucket, BuiltinHook and the built-in
-// hook objects, broadcast_coalesced. See docs/reducer.md ("Python API").
+// hook objects, broadcast_coalesced, and the Join protocol (smp._C.JoinProtocol). See docs/reducer.md ("Python API").
 //
 // GIL: the reducer runs comm hooks on its own thread; a Python hook takes the GIL
 // there. So every binding that may wait on communication (the constructor, finalize,
@@ -13,6 +13,7 @@
 #include "hooks/builtin.h"
 #include "smp_core/errors.h"
 #include "smp_core/grad_bucket.h"
+#include "smp_core/join.h"
 #include "smp_core/reducer.h"
 #include "smp_core/runtime.h"
 
@@ -260,6 +261,8 @@ void bind_reducer(py::module_& m) {
            py::arg("grad_scale") = 1.0, py::arg("hold") = std::vector<int64_t>{}, release())
       .def("finalize", [](Reducer& r) { r.finalize(); }, release())
       .def("run_shadow_step", &Reducer::run_shadow_step, release())
+      .def("set_active_ranks", &Reducer::set_active_ranks, py::arg("n"))
+      .def("steps_run", &Reducer::steps_run)
       .def("register_comm_hook", [](Reducer& r, const py::object& state, const py::object& hook) {
         r.register_comm_hook(to_comm_hook(state, hook));
       }, py::arg("state"), py::arg("hook"))
@@ -283,6 +286,27 @@ void bind_reducer(py::module_& m) {
         py::arg("bucket_cap_mb") = 25.0,
         "Broadcasts `tensors` in place from group rank `root`, flattened per dtype into "
         "chunks of at most bucket_cap_mb.");
+
+  py::class_<JoinProtocol, std::shared_ptr<JoinProtocol>>(m, "JoinProtocol",
+      "The Join context's collectives on one process group (smp_core/join.h).")
+      .def(py::init([](const ProcessGroupPtr& pg, std::optional<double> timeout_s,
+                       const std::string& group_name) {
+             return std::make_shared<JoinProtocol>(pg, timeout_s ? *timeout_s : default_timeout(),
+                                                   group_name);
+           }),
+           py::arg("process_group"), py::arg("timeout_s") = py::none(),
+           py::arg("group_name") = "dp")
+      .def("notify_not_joined", &JoinProtocol::notify_not_joined, release())
+      .def("count_not_joined", &JoinProtocol::count_not_joined, release())
+      .def("check_early_termination", &JoinProtocol::check_early_termination,
+           py::arg("joined"), release())
+      .def("find_common_rank", &JoinProtocol::find_common_rank, py::arg("candidate"), release())
+      .def("allreduce_sum", &JoinProtocol::allreduce_sum, py::arg("value"), py::arg("what"),
+           release())
+      .def_property_readonly("iteration", &JoinProtocol::iteration)
+      .def_property_readonly("rank", &JoinProtocol::rank)
+      .def_property_readonly("size", &JoinProtocol::size)
+      .def_property_readonly("process_group", &JoinProtocol::process_group);
 }
 
 }  // namespace smp::python

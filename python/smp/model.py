@@ -18,6 +18,7 @@ import torch
 
 from smp import _C, core
 from smp import agreement, tracer
+from smp import join as _join
 from smp.model_state import ModelStateMixin
 
 __all__ = []
@@ -32,7 +33,7 @@ def _check_arg(name, value, ok, allowed):
         raise ValueError(f"smp.DistributedModel: argument '{name}'={value!r} is not {allowed}")
 
 
-class DistributedModel(ModelStateMixin, torch.nn.Module):
+class DistributedModel(ModelStateMixin, torch.nn.Module, _join.Joinable):
     """Wraps `module` for model parallelism (partitions) and data parallelism (ddp).
 
     Args:
@@ -114,6 +115,7 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
         self._tied = None           # placement.TiedParameters (partitions > 1)
         self._arm_reducer = False   # Note [Pipeline overlap]: arm at the first backward
         self._arm_lock = threading.Lock()
+        _join.Joinable.__init__(self)  # Join: self._join_config (smp/join.py)
         core.state.model = self
 
     # --- wrapper plumbing -------------------------------------------------------------
@@ -142,6 +144,12 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
         """
         if self._in_step:
             raise RuntimeError("smp: @smp.step functions cannot be nested")
+        if core.pp_size() > 1:  # Join: pp peers follow their driver (smp/join.py)
+            joining = _join.pipeline_begin_step(self)
+            if joining is _join.SHADOWED:  # this replica has joined: a shadow iteration
+                return [None] * core.state.cfg.microbatches
+        else:
+            joining = _join.begin_step(self)  # None outside an enabled Join
         if not self.partitioned:
             self._partition(fn, mb_inputs, input_error)
         elif input_error is not None:
@@ -151,12 +159,17 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
                 self._engine.abort_step(input_error)
             # Other pp ranks do not use their inputs: they serve the driver's step.
         elif self.broadcast_buffers and self._dp_reduce:
-            self._broadcast(list(self.local_buffers()))
+            if joining is None:
+                self._broadcast(list(self.local_buffers()))
+            elif _join._has_buffers(self):
+                joining.sync_buffers()
         self._steps += 1
         sync_step = self._steps % self.backward_passes_per_step == 0
+        if joining is not None:
+            sync_step = joining.announce(sync_step)
         self._synced_this_step = False
         if core.pp_size() > 1:
-            return self._run_pipeline_step(fn, mb_inputs, sync_step)
+            return self._run_pipeline_step(fn, mb_inputs, sync_step, joining)
         results = []
         self._in_step = True
         try:
@@ -167,6 +180,8 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
                 results.append(fn(*args, **kwargs))
             if self._synced_this_step:
                 self._reducer.finalize()
+            if joining is not None:
+                joining.end_step(self._synced_this_step)
         finally:
             self._in_step = False
             self._stop_recording()
@@ -250,7 +265,7 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
         self._tied.sync_values()
         self._engine = engine
 
-    def _run_pipeline_step(self, fn, mb_inputs, sync_step):
+    def _run_pipeline_step(self, fn, mb_inputs, sync_step, joining=None):
         self._in_step = True
         self._backward_this_step = False
         # Note [Pipeline overlap] (smp_core/reducer.cpp): the reducer is armed when this
@@ -274,6 +289,8 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
             if backward and reduce:
                 self.begin_pipeline_backward()  # a rank that had no backward work
                 self._reducer.finalize()
+            if joining is not None:
+                joining.end_step(backward and sync_step and self._dp_reduce)
         finally:
             self._in_step = False
             self._arm_reducer = False
@@ -375,6 +392,36 @@ class DistributedModel(ModelStateMixin, torch.nn.Module):
             self._reducer.prepare_for_backward(self._sync_backward, 1.0, tensors)
             self._synced_this_step |= self._sync_backward
         torch.autograd.backward(tensors, grad_tensors)
+
+    # --- Join (uneven inputs; smp/join.py, docs/join.md) -------------------------------
+
+    def join(self, divide_by_initial_world_size=True, enable=True,
+             throw_on_early_termination=False):
+        """`with model.join():` trains with uneven inputs across dp ranks (torch DDP's).
+
+        A rank whose inputs ran out shadows its peers' steps until all ran out; then
+        every rank takes the parameters and buffers of the last rank to finish.
+
+        Args:
+            divide_by_initial_world_size: average gradients over every dp rank (True)
+                or over the ranks still training (False; default hook only).
+            enable: False turns join off (even inputs).
+            throw_on_early_termination: raise on every rank once any rank ran out.
+        """
+        return _join.Join([self], enable=enable,
+                          throw_on_early_termination=throw_on_early_termination,
+                          divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        return _join.model_join_hook(self, **kwargs)
+
+    @property
+    def join_device(self):
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return core.get_dp_process_group()
 
     # --- hooks ------------------------------------------------------------------------
 

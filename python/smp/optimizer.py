@@ -151,5 +151,7 @@ def DistributedOptimizer(optimizer):  # noqa: N802  (SMP v1 name)
         optimizer.state_dict = types.MethodType(_state_dict, optimizer)
         optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)
         optimizer.local_state_dict = types.MethodType(_local_state_dict, optimizer)
+        from smp import join
+        join.make_optimizer_joinable(optimizer)  # Join([model, optimizer]) (smp/join.py)
     core.state.optimizer = optimizer
     return optimizer

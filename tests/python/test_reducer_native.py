@@ -201,7 +201,7 @@ try:
     raise SystemExit("no error")
 except smp.CommError as e:
     assert str(e).startswith(f"smp: bucket 0 of 1 (comm hook 'python hook failing_hook') on "
-                             f"the dp process group (gloo, rank {rank} of 2) failed: "
+                             f"the dp process group (gloo, rank {rank} of 2) in step 1 failed: "
                              "ValueError: boom in hook"), str(e)
 
 # Built-in hooks by name, wrappers with a Python inner hook, and called directly.

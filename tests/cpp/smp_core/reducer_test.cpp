@@ -575,7 +575,7 @@ TEST(Reducer, SharedMemoryPeerThatNeverArrivesTimesOut) {
     } catch (const TimeoutError& e) {
       EXPECT_NE(std::string(e.what()).find(
                     "waiting for bucket 0 of 1 (shared memory) on the dp process group (gloo, "
-                    "rank 0 of 2): rank(s) 1 did not reach it"),
+                    "rank 0 of 2) in step 1: rank(s) 1 did not reach it"),
                 std::string::npos)
           << e.what();
     }

@@ -1,0 +1,469 @@
+"""Join for uneven inputs: `smp.join.Join`, `Joinable`, `JoinHook` (docs/join.md).
+
+The generic context manager follows torch 1.13's `torch.distributed.algorithms.join`:
+each iteration an active rank's first Joinable notifies the context ("not joined"
+allreduce); a rank whose inputs ran out runs its Joinables' main hooks once per
+iteration, shadowing its peers' collectives, until every rank has joined; then every
+rank runs the post hooks, told whether it was among the last to join.
+
+The collectives are the C++ `smp._C.JoinProtocol`'s, issued from the training thread
+between steps, when the reducer's comm queue is idle (see Note [Join collective order]
+in smp_core/join.h), on the dp process group.
+
+The model's join (`DistributedModel.join_hook`) adds, per iteration:
+  1. buffers (broadcast_buffers): the common-rank allreduce and the broadcast from it;
+  2. the "sync" allreduce: how many ranks reduce gradients this step (1 each);
+  3. the reducer's step; a joined rank runs `Reducer.run_shadow_step()`, which sends
+     every bucket through the registered hook chain with zeros.
+With partitions > 1 each pp rank does this on its own dp group; the driver (pp rank 0)
+decides its replica's join state and tells its pp peers with each step (see
+Note [Join with pipeline parallelism]).
+"""
+import abc
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from smp import _C, core
+
+__all__ = ["Join", "Joinable", "JoinHook"]
+
+
+class JoinHook:
+    """Two entry points of the join context: `main_hook()`, called once per iteration
+    while some rank has not joined (shadow the iteration's collectives), and
+    `post_hook(is_last_joiner)`, called once after every rank joined."""
+
+    def main_hook(self):
+        """Shadows one iteration's collectives of the ranks still training."""
+
+    def post_hook(self, is_last_joiner: bool):
+        """Runs once every rank joined; `is_last_joiner`: this rank joined last."""
+
+
+class _JoinConfig(NamedTuple):
+    enable: bool
+    throw_on_early_termination: bool
+    is_first_joinable: bool
+
+    @staticmethod
+    def construct_disabled_join_config():
+        return _JoinConfig(enable=False, throw_on_early_termination=False,
+                           is_first_joinable=False)
+
+
+class Joinable(abc.ABC):
+    """A class usable in `Join`: implements `join_hook(**kwargs)`, `join_device` and
+    `join_process_group`, calls `Joinable.__init__(self)`, and calls
+    `Join.notify_join_context(self)` before its per-iteration collectives."""
+
+    @abc.abstractmethod
+    def __init__(self):
+        super().__init__()
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+
+    @abc.abstractmethod
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The JoinHook for this joinable; `kwargs` are the Join's extra arguments."""
+
+    @property
+    @abc.abstractmethod
+    def join_device(self) -> torch.device:
+        """Device of the join collectives' tensors."""
+
+    @property
+    @abc.abstractmethod
+    def join_process_group(self):
+        """Process group of the join collectives."""
+
+
+_protocols = {}
+
+
+def _protocol(pg):
+    """The JoinProtocol of `pg` (one per group, so its iteration count is the group's)."""
+    held = _protocols.get(id(pg))
+    if held is None or held[0] is not pg:
+        name = "dp" if core.is_initialized() and pg is core.get_dp_process_group() else "join"
+        held = (pg, _C.JoinProtocol(pg, group_name=name))
+        _protocols[id(pg)] = held
+    return held[1]
+
+
+def _early_termination_error(n_joined, proto):
+    return RuntimeError(
+        f"smp.join: {n_joined} of {proto.size} ranks of the dp process group ran out of "
+        f"inputs by join iteration {proto.iteration} and throw_on_early_termination=True: "
+        "every rank raises this error")
+
+
+class Join:
+    """Context manager for training with uneven inputs across ranks.
+
+    Args:
+        joinables: the participating Joinables (e.g. `[model, optimizer]`); their hooks
+            run in this order. All must share one process group.
+        enable: False turns the context off (inputs known to be even).
+        throw_on_early_termination: raise on every rank as soon as one rank runs out of
+            inputs, instead of shadowing.
+        **kwargs: passed to every `join_hook()` (e.g. divide_by_initial_world_size).
+
+    Raises:
+        ValueError: no joinables, joinables on different process groups, or no
+            joinable that notifies the context each step (a DistributedOptimizer alone).
+        RuntimeError: with throw_on_early_termination, once a rank has run out.
+    """
+
+    def __init__(self, joinables, enable=True, throw_on_early_termination=False, **kwargs):
+        joinables = list(joinables)
+        if not joinables:
+            raise ValueError("smp.join.Join: joinables=[] (the join context manager requires "
+                             "at least one joinable)")
+        for j in joinables:
+            for attr in ("join_hook", "join_device", "join_process_group", "_join_config"):
+                if not hasattr(j, attr):
+                    raise ValueError(f"smp.join.Join: {type(j).__name__} object has no "
+                                     f"'{attr}' (a Joinable calls Joinable.__init__ and "
+                                     "implements join_hook, join_device, join_process_group)")
+        self._joinables = joinables
+        self._join_hooks = [j.join_hook(**kwargs) for j in joinables]
+        self._enable = bool(enable)
+        self._throw_on_early_termination = bool(throw_on_early_termination)
+        self._set_joinable_configs()
+        self._extract_dist_info()
+
+    def _set_joinable_configs(self):
+        # The notifier must be a joinable that calls notify_join_context before its
+        # collectives each iteration. DistributedOptimizer has no per-step collective
+        # and steps after the model, so it never notifies (see docs/join.md).
+        notifier = next((j for j in self._joinables if not getattr(j, "_smp_join_passive", False)),
+                        None)
+        if notifier is None and self._enable:
+            raise ValueError("smp.join.Join: every joinable is a DistributedOptimizer, which "
+                             "issues no per-step collective; pass the model too: "
+                             "Join([model, optimizer])")
+        for j in self._joinables:
+            j._join_config = _JoinConfig(self._enable, self._throw_on_early_termination,
+                                         j is notifier)
+            j._smp_join_context = self  # a pipeline peer runs the hooks from its step
+
+    def _extract_dist_info(self):
+        pg, device = None, None
+        for j in self._joinables:
+            if pg is None:
+                pg = j.join_process_group
+            elif pg is not j.join_process_group and pg != j.join_process_group:
+                raise ValueError("smp.join.Join: the joinables use different process groups "
+                                 "(all must use the same one, e.g. the dp group)")
+            if device is None:
+                device = j.join_device
+        self._process_group = pg
+        self._device = device
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if not self._enable or exc_type is not None:
+                return  # an exception propagates as it is
+            model = _pipelined_model(self._joinables)
+            if model is not None and core.pp_rank() > 0:
+                _peer_join_loop(model)  # Note [Join with pipeline parallelism]
+                return
+            proto = _protocol(self._process_group)
+            all_joined, is_last_joiner, i = False, True, 0
+            while not all_joined:
+                if i == 1000:
+                    warnings.warn(f"smp.join: rank {proto.rank} of the dp process group has at "
+                                  "least 1000 fewer inputs than the ranks still training")
+                if proto.count_not_joined() == 0:
+                    all_joined = True
+                    if model is not None:
+                        _pp_announce(model, "done", is_last_joiner)
+                else:
+                    if model is not None:
+                        _pp_announce(model, "shadow")
+                    if self._throw_on_early_termination:
+                        n = proto.check_early_termination(True)
+                        raise _early_termination_error(n, proto)
+                    for hook in self._join_hooks:
+                        hook.main_hook()
+                    is_last_joiner = False
+                    i += 1
+            for hook in self._join_hooks:
+                hook.post_hook(is_last_joiner)
+        finally:
+            self._disable()
+
+    def _joined_iteration(self, proto):
+        """A pipeline peer's shadow iteration, after its count_not_joined."""
+        if self._throw_on_early_termination:
+            raise _early_termination_error(proto.check_early_termination(True), proto)
+        for hook in self._join_hooks:
+            hook.main_hook()
+
+    def _disable(self):
+        for j in self._joinables:
+            j._join_config = _JoinConfig.construct_disabled_join_config()
+            j._smp_join_context = None
+
+    @staticmethod
+    def notify_join_context(joinable):
+        """Tells the context that this rank has not joined; call before the joinable's
+        per-iteration collectives. Only the first joinable communicates.
+
+        Returns:
+            The number of ranks still training (this one included) if `joinable` is the
+            context's notifier, else None.
+
+        Raises:
+            RuntimeError: throw_on_early_termination=True and some rank has joined.
+        """
+        cfg = getattr(joinable, "_join_config", None)
+        if cfg is None:
+            raise ValueError(f"smp.join: {type(joinable).__name__} has no _join_config (its "
+                             "constructor must call Joinable.__init__)")
+        if not cfg.enable or not cfg.is_first_joinable:
+            return None
+        proto = _protocol(joinable.join_process_group)
+        active = proto.notify_not_joined()
+        if cfg.throw_on_early_termination:
+            n = proto.check_early_termination(False)
+            if n:
+                raise _early_termination_error(n, proto)
+        return active
+
+
+# --- the model and the optimizer as joinables -------------------------------------------
+
+def _in_join(model):
+    cfg = getattr(model, "_join_config", None)
+    return cfg is not None and cfg.enable
+
+
+class _ModelJoinHook(JoinHook):
+    def __init__(self, model, divide_by_initial_world_size=True):
+        if not isinstance(divide_by_initial_world_size, bool):
+            raise ValueError("smp.join: divide_by_initial_world_size="
+                             f"{divide_by_initial_world_size!r} is not one of {{True, False}}")
+        self.model = model
+        model._join_divide_by_initial = divide_by_initial_world_size
+
+    def main_hook(self):
+        shadow_step(self.model)
+
+    def post_hook(self, is_last_joiner):
+        sync_final_model(self.model, is_last_joiner)
+
+
+class _OptimizerJoinHook(JoinHook):
+    """A DistributedOptimizer's step has no collective: nothing to shadow; the model's
+    post hook brings the final parameters."""
+
+
+def model_join_hook(model, **kwargs):
+    # Other kwargs are meant for other joinables of the same context (torch's rule).
+    return _ModelJoinHook(model, kwargs.get("divide_by_initial_world_size", True))
+
+
+def make_optimizer_joinable(opt):
+    """Adds the Joinable interface to a DistributedOptimizer (the user's own object)."""
+    opt._join_config = _JoinConfig.construct_disabled_join_config()
+    opt._smp_join_passive = True
+    opt.join_hook = lambda **kwargs: _OptimizerJoinHook()
+    opt.join_device = torch.device("cpu")
+    opt.join_process_group = core.get_dp_process_group()
+
+
+# Active ranks, in DistributedModel._run_step (pp=1) / _run_pipeline_step:
+#   begin_step -> [partition | sync_buffers] -> announce -> body + reducer -> end_step.
+# A joined rank's shadow_step issues the same collectives in the same order.
+
+class _StepJoin:
+    """The join bookkeeping of one active step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.proto = _protocol(core.get_dp_process_group())
+        self.sync = False
+
+    def sync_buffers(self):
+        _sync_buffers(self.model, self.proto, candidate=True)
+
+    def announce(self, sync_step):
+        """The "sync" allreduce; returns whether this step reduces gradients."""
+        m = self.model
+        if not m._dp_reduce:
+            return sync_step
+        n = self.proto.allreduce_sum(1 if sync_step else 0, "the join 'sync' allreduce")
+        self.sync = bool(sync_step)
+        # Made here, not at the first backward: a joined rank makes it at the same point.
+        _ensure_reducer(m)
+        m._reducer.set_active_ranks(
+            0 if getattr(m, "_join_divide_by_initial", True) else max(int(n), 1))
+        return self.sync
+
+    def end_step(self, reduced):
+        """After the body: a step that announced a reduction but ran no synchronized
+        backward (an evaluation step) shadows it, so the group's collectives match."""
+        if self.sync and not reduced and self.model._reducer is not None:
+            self.model._reducer.run_shadow_step()
+
+
+def begin_step(model):
+    """At the start of an active step; returns a _StepJoin, or None outside a Join."""
+    if not _in_join(model):
+        return None
+    Join.notify_join_context(model)
+    return _StepJoin(model)
+
+
+def _ensure_reducer(model):
+    if model._reducer is None:
+        model._make_reducer()
+
+
+def _has_buffers(model):
+    return model.broadcast_buffers and any(True for _ in model.local_buffers())
+
+
+def _sync_buffers(model, proto, candidate):
+    """torch DDP under join: buffers come from the highest-ranked active rank."""
+    root = proto.find_common_rank(candidate)
+    with torch.no_grad():
+        _C.broadcast_coalesced(core.get_dp_process_group(), list(model.local_buffers()),
+                               int(root))
+
+
+def shadow_step(model):
+    """A joined rank's iteration: the collectives of an active rank's step."""
+    if not model._dp_reduce:
+        return
+    proto = _protocol(core.get_dp_process_group())
+    if not model.partitioned:
+        if core.pp_size() > 1:
+            raise RuntimeError("smp.join: with partitions > 1 every rank must run at least the "
+                               "first step (a replica with zero batches cannot be partitioned)")
+        model._partition(None, None)  # the first step's agreement and broadcast
+    elif _has_buffers(model):
+        _sync_buffers(model, proto, candidate=False)
+    n = proto.allreduce_sum(0, "the join 'sync' allreduce")
+    _ensure_reducer(model)
+    if n > 0:
+        model._reducer.run_shadow_step()
+
+
+def sync_final_model(model, is_last_joiner):
+    """Post hook: every rank takes the parameters and buffers of the last joiner (the
+    highest dp rank among them)."""
+    if not model._dp_reduce:
+        return
+    proto = _protocol(core.get_dp_process_group())
+    root = proto.find_common_rank(bool(is_last_joiner))
+    if root < 0:
+        raise RuntimeError("smp.join: no rank reported itself as the last joiner (a bug)")
+    tensors = list(model.local_parameters()) + list(model.local_buffers())
+    with torch.no_grad():
+        _C.broadcast_coalesced(core.get_dp_process_group(), tensors, int(root))
+    if model._reducer is not None:
+        model._reducer.set_active_ranks(0)
+
+
+# Note [Join with pipeline parallelism]
+# A replica's data is its driver's (pp rank 0), so the driver decides each iteration
+# whether its replica trains or has joined, and tells its pp peers at the start of the
+# iteration with a step-level message in an epoch of its own (smp_core/p2p.h, Note [Step
+# epochs]): "step" (a real step follows), "shadow" (the replica has joined; others have
+# not) or "done" (every replica has joined; carries is_last_joiner). Each pp rank then
+# runs the join protocol on its own dp group exactly as its driver does on the driver's:
+# the groups are disjoint, and every replica's pp ranks are in the same state, so each
+# dp group sees the same sequence as the drivers' group. A peer reads the message
+# wherever it is: in a step call (its loop still has batches: "shadow" turns the call
+# into a shadow iteration that returns None) or in its Join's exit (its loop ran out:
+# "step" makes it serve the driver's real step). The first step (partitioning) is
+# always a real step on every rank.
+
+SHADOWED = object()  # _run_step's answer when a peer's step call was a shadow iteration
+
+
+def _pipelined_model(joinables):
+    for j in joinables:
+        if getattr(j, "_engine", None) is not None and core.pp_size() > 1:
+            return j
+    return None
+
+
+def _pp_announce(model, state, is_last_joiner=False):
+    """Driver: opens an epoch for this iteration's join state and sends it to the peers."""
+    import pickle
+    e = model._engine
+    e.epoch += 1
+    e.p2p.begin_step(e.epoch)
+    meta = pickle.dumps(("smp-join", state, bool(is_last_joiner)))
+    for r in range(1, core.pp_size()):
+        e.p2p.send(r, _C.Message(-1, 0, _C.MsgKind.STEP_END, meta, []))
+
+
+def _pp_receive(model):
+    """Peer: the driver's join state of this iteration."""
+    import pickle
+    from smp import pipeline
+    e = model._engine
+    e.epoch += 1
+    e.p2p.begin_step(e.epoch)
+    k = _C.MsgKind
+    msg = e.p2p.recv(-1, _C.ANY, (1 << int(k.STEP_END)) | (1 << int(k.ABORT)),
+                     "this iteration's join state from the pipeline driver (pp rank 0)")
+    if msg.kind == k.ABORT:
+        pipeline._raise_remote(msg.meta)
+    tag, state, is_last_joiner = pickle.loads(msg.meta)
+    if tag != "smp-join":
+        raise RuntimeError(f"smp.join: pipeline protocol error: expected the join state from "
+                           f"pp rank 0, got {tag!r}")
+    return state, is_last_joiner
+
+
+def pipeline_begin_step(model):
+    """partitions > 1, at the start of a step call: a _StepJoin, None outside a Join, or
+    SHADOWED (a peer whose replica has joined: the call was a shadow iteration)."""
+    if not _in_join(model):
+        return None
+    if getattr(model, "_smp_pp_join_done", False):
+        raise RuntimeError(f"smp.join: pp rank {core.pp_rank()} has more batches than its "
+                           "pipeline driver (pp rank 0), and every replica has joined")
+    if model._engine is not None:
+        if core.pp_rank() == 0:
+            _pp_announce(model, "step")
+        else:
+            state, is_last_joiner = _pp_receive(model)
+            if state != "step":
+                _peer_joined_iteration(model, state, is_last_joiner)
+                return SHADOWED
+    Join.notify_join_context(model)
+    return _StepJoin(model)
+
+
+def _peer_joined_iteration(model, state, is_last_joiner):
+    ctx = model._smp_join_context
+    proto = _protocol(ctx._process_group)
+    n = proto.count_not_joined()
+    if (n == 0) != (state == "done"):
+        raise RuntimeError(f"smp.join: pp rank {core.pp_rank()} counted {n} active replicas "
+                           f"on its dp group but its driver says '{state}' (a bug)")
+    if state == "shadow":
+        ctx._joined_iteration(proto)
+        return
+    model._smp_pp_join_done = True
+    for hook in ctx._join_hooks:
+        hook.post_hook(is_last_joiner)
+
+
+def _peer_join_loop(model):
+    """A pp peer whose own loop ran out: follows its driver until every replica joined."""
+    try:
+        while not getattr(model, "_smp_pp_join_done", False):
+            model._run_step(None, None)
+    finally:
+        model._smp_pp_join_done = False

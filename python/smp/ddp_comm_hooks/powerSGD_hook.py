@@ -33,10 +33,11 @@ def _config_error(msg):
     return core.ConfigError(msg)
 
 
-def _check_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _config_error(f"smp: PowerSGDState {name}={value!r} must be an int >= {low}")
-    return value
+def _check_int(name, value):
+    # Values are checked in C++ (hooks/powersgd.cpp), with the same message there.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise _config_error(f"smp: PowerSGDState {name}={value!r} must be an int")
+    return int(value)
 
 
 def _dp_group_or_none():
@@ -77,10 +78,9 @@ class PowerSGDState:
                  batch_tensors_with_same_shape=False, error_feedback=None):
         if error_feedback is not None:
             use_error_feedback = error_feedback
-        _check_int("matrix_approximation_rank", matrix_approximation_rank, 1)
-        if isinstance(start_powerSGD_iter, bool) or not isinstance(start_powerSGD_iter, int):
-            raise _config_error(f"smp: PowerSGDState start_powerSGD_iter="
-                                f"{start_powerSGD_iter!r} must be an int")
+        matrix_approximation_rank = _check_int("matrix_approximation_rank",
+                                               matrix_approximation_rank)
+        start_powerSGD_iter = _check_int("start_powerSGD_iter", start_powerSGD_iter)
         if isinstance(random_seed, bool) or not isinstance(random_seed, (int, np.integer)) \
                 or not 0 <= random_seed <= 2**32 - 1:
             raise _config_error(f"smp: PowerSGDState random_seed={random_seed!r} must be an "

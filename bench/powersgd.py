@@ -44,18 +44,21 @@ def worker(args):
     kw = dict(matrix_approximation_rank=RANK_R, start_powerSGD_iter=2, random_seed=0)
 
     plain_net = copy.deepcopy(base)
-    plain = nn.parallel.DistributedDataParallel(plain_net, process_group=pg)
+    view = args.bucket_view  # the same for all three models
+    plain = nn.parallel.DistributedDataParallel(plain_net, process_group=pg,
+                                                gradient_as_bucket_view=view)
     plain_opt = torch.optim.SGD(plain_net.parameters(), lr=1e-3)
 
     th_net = copy.deepcopy(base)
     first = dist._DEFAULT_FIRST_BUCKET_BYTES
     dist._DEFAULT_FIRST_BUCKET_BYTES = 64 << 20  # one bucket (DDP's documented knob)
-    th = nn.parallel.DistributedDataParallel(th_net, process_group=pg, bucket_cap_mb=64)
+    th = nn.parallel.DistributedDataParallel(th_net, process_group=pg, bucket_cap_mb=64,
+                                             gradient_as_bucket_view=view)
     dist._DEFAULT_FIRST_BUCKET_BYTES = first
     th.register_comm_hook(th_psgd.PowerSGDState(process_group=pg, **kw), th_psgd.powerSGD_hook)
     th_opt = torch.optim.SGD(th_net.parameters(), lr=1e-3)
 
-    model = smp.DistributedModel(base, gradient_as_bucket_view=args.bucket_view)
+    model = smp.DistributedModel(base, gradient_as_bucket_view=view)
     opt = smp.DistributedOptimizer(torch.optim.SGD(base.parameters(), lr=1e-3))
     state = smp_psgd.PowerSGDState(None, **kw)
     model.register_comm_hook(state, smp_psgd.powerSGD_hook)
@@ -128,7 +131,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--bucket-view", action="store_true",
-                        help="smp with gradient_as_bucket_view=True")
+                        help="every model with gradient_as_bucket_view=True")
     args = parser.parse_args()
     if "RANK" in os.environ:
         return worker(args)

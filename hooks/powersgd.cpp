@@ -38,12 +38,16 @@ struct Pending {
   bool compressed = false;
   int world = 1;
   at::Tensor buffer;      // the bucket's buffer: what result() returns
-  at::Tensor input;       // what is compressed: the buffer, or its padded copy (batched)
-  at::Tensor input_cp;    // error feedback: input (with last error) before compression
+  at::Tensor input;       // gets the result: the buffer, or its padded copy (batched)
+  // What is compressed: `input` itself, or with error feedback input + last error,
+  // computed into the error tensor's memory (torch's input_cp; no copy, no allocation)
+  // and turned into the new error (source - result) in place.
+  at::Tensor source;
   at::Tensor uncompressed;                  // summed flat copy of the uncompressed tensors
-  std::vector<at::Tensor> uncompressed_tensors;
-  std::vector<at::Tensor> matrices;         // [B, n, m] compressed (views or stacks)
-  std::vector<std::vector<at::Tensor>> stacked_from;  // originals of each stack (or empty)
+  std::vector<at::Tensor> uncompressed_tensors;  // views of `input` (destinations)
+  std::vector<at::Tensor> matrices;         // [B, n, m] of `source` (views or stacks)
+  std::vector<at::Tensor> outs;             // [B, n, m] views of `input`, or undefined
+  std::vector<std::vector<at::Tensor>> stacked_into;  // stacks: the views of `input`
   std::vector<at::Tensor> ps, qs;           // [B, n, r], [B, m, r] views of p_mem, q_mem
   at::Tensor p_mem, q_mem;
 };
@@ -175,9 +179,15 @@ void PowerSGDState::restore(const PowerSGDSnapshot& s) {
   impl_->before = s.total_numel_before_compression;
   impl_->after = s.total_numel_after_compression;
   impl_->next_report = s.next_stats_report;
-  impl_->error = s.error_dict;
-  impl_->p = s.p_memory_dict;
-  impl_->q = s.q_memory_dict;
+  // Copies: the hooks update these tensors in place.
+  auto copy = [](const std::map<int64_t, at::Tensor>& m) {
+    std::map<int64_t, at::Tensor> out;
+    for (const auto& [k, t] : m) out[k] = t.clone();
+    return out;
+  };
+  impl_->error = copy(s.error_dict);
+  impl_->p = copy(s.p_memory_dict);
+  impl_->q = copy(s.q_memory_dict);
   impl_->pending.clear();
 }
 
@@ -237,20 +247,27 @@ class PowerSGDBase : public CommHook {
   virtual FuturePtr compress(GradBucket& bucket, const ProcessGroupPtr& pg, Pending& p) = 0;
   virtual void decompress(GradBucket& bucket, Pending& p) = 0;
 
-  // Error feedback on p.input: adds the remembered error (or remembers zeros).
+  // Sets p.source: p.input, or with error feedback p.input + the remembered error,
+  // written over the error tensor (the first time: a copy of p.input, as torch adds
+  // zeros).
   void add_error(int64_t b, Pending& p) {
     auto& s = state_->impl();
-    if (!s.opts.use_error_feedback) return;
+    if (!s.opts.use_error_feedback) {
+      p.source = p.input;
+      return;
+    }
     at::Tensor err = s.lookup(s.error, b, p.input.numel(), "error_dict", name());
-    if (err.defined())
-      p.input.add_(err);
-    else
-      s.store(s.error, b, at::zeros_like(p.input));
-    p.input_cp = p.input.clone();
+    if (err.defined()) {
+      at::add_out(err, p.input, err);
+    } else {
+      err = p.input.clone();
+      s.store(s.error, b, err);
+    }
+    p.source = err;
   }
-  void keep_error(int64_t b, Pending& p) {
-    auto& s = state_->impl();
-    if (s.opts.use_error_feedback) s.store(s.error, b, p.input_cp - p.input);
+  // The new error, source - result, in place of the source.
+  void keep_error(Pending& p) {
+    if (state_->impl().opts.use_error_feedback) p.source.sub_(p.input);
   }
 
   // All-reduces P, waits (run() may wait: we are on the comm thread), orthogonalises
@@ -301,29 +318,34 @@ class PowerSGDHook : public PowerSGDBase {
     add_error(b, p);
 
     // Split into compressed matrices and the uncompressed rest; count both.
-    std::vector<at::Tensor> to_compress;
+    std::vector<std::pair<at::Tensor, at::Tensor>> to_compress;  // (of source, of input)
+    std::vector<at::Tensor> flat;  // uncompressed parts of the source
     int64_t p_size = 0, q_size = 0;
     {
       std::lock_guard<std::mutex> lock(s.mu);
-      for (const at::Tensor& t : bucket.gradients()) {
-        at::Tensor mat = t.dim() == 0 ? t.view({1, 1}) : t.view({t.size(0), -1});
-        const int64_t n = mat.size(0), m = mat.size(1);
+      const auto& params = bucket.parameters();
+      for (size_t j = 0; j < params.size(); ++j) {
+        const at::Tensor& prm = params[j];
+        const int64_t n = prm.dim() == 0 ? 1 : prm.size(0);
+        const int64_t m = n == 0 ? 0 : prm.numel() / n;
+        const int64_t off = bucket.offsets()[j];
+        at::Tensor src = p.source.narrow(0, off, prm.numel());
+        at::Tensor dst = p.input.narrow(0, off, prm.numel());
         const int64_t r = std::min({n, m, o.matrix_approximation_rank});
         s.before += n * m;
         if (detail::should_compress(n, m, r, o.min_compression_rate)) {
-          to_compress.push_back(mat);
+          to_compress.emplace_back(src.view({n, m}), dst.view({n, m}));
           p_size += n * r;
           q_size += m * r;
           s.after += (n + m) * r;
         } else {
-          p.uncompressed_tensors.push_back(t);
+          flat.push_back(src);
+          p.uncompressed_tensors.push_back(dst);
           s.after += n * m;
         }
       }
       s.maybe_report(bucket);
     }
-    std::vector<at::Tensor> flat;
-    for (const auto& t : p.uncompressed_tensors) flat.push_back(t.reshape({-1}));
     p.uncompressed = flat.empty() ? at::empty({0}, p.buffer.options()) : at::cat(flat);
 
     at::Tensor pm = o.warm_start ? s.lookup(s.p, b, p_size, "p_memory_dict", name()) : at::Tensor();
@@ -338,30 +360,38 @@ class PowerSGDHook : public PowerSGDBase {
 
     // Group by shape in order of first appearance (torch's dict of shape -> tensors);
     // this order lays out P and Q and orders the random draws.
-    std::vector<std::pair<std::vector<int64_t>, std::vector<at::Tensor>>> groups;
+    using Pair = std::pair<at::Tensor, at::Tensor>;
+    std::vector<std::pair<std::vector<int64_t>, std::vector<Pair>>> groups;
     for (const auto& mat : to_compress) {
-      std::vector<int64_t> shape = mat.sizes().vec();
+      std::vector<int64_t> shape = mat.first.sizes().vec();
       auto it = std::find_if(groups.begin(), groups.end(),
                              [&](const auto& g) { return g.first == shape; });
       if (it == groups.end()) groups.push_back({shape, {mat}});
       else it->second.push_back(mat);
     }
     int64_t pi = 0, qi = 0;
-    auto add = [&](at::Tensor batch, std::vector<at::Tensor> from) {
+    auto add = [&](at::Tensor batch, at::Tensor out, std::vector<at::Tensor> into) {
       const int64_t bs = batch.size(0), n = batch.size(1), m = batch.size(2);
       const int64_t r = std::min({n, m, o.matrix_approximation_rank});
       p.matrices.push_back(batch);
-      p.stacked_from.push_back(std::move(from));
+      p.outs.push_back(std::move(out));
+      p.stacked_into.push_back(std::move(into));
       p.ps.push_back(pm.narrow(0, pi, bs * n * r).view({bs, n, r}));
       p.qs.push_back(qm.narrow(0, qi, bs * m * r).view({bs, m, r}));
       pi += bs * n * r;
       qi += bs * m * r;
     };
     for (auto& g : groups) {
-      if (o.batch_tensors_with_same_shape && g.second.size() > 1)
-        add(at::stack(g.second), g.second);
-      else
-        for (const auto& mat : g.second) add(mat.unsqueeze(0), {});
+      if (o.batch_tensors_with_same_shape && g.second.size() > 1) {
+        std::vector<at::Tensor> srcs, dsts;
+        for (const auto& [src, dst] : g.second) {
+          srcs.push_back(src);
+          dsts.push_back(dst);
+        }
+        add(at::stack(srcs), at::Tensor(), std::move(dsts));
+      } else {
+        for (const auto& [src, dst] : g.second) add(src.unsqueeze(0), dst.unsqueeze(0), {});
+      }
     }
 
     if (fresh)
@@ -399,11 +429,13 @@ class PowerSGDHook : public PowerSGDBase {
     }
     p.q_mem.div_(p.world);
     for (size_t i = 0; i < p.matrices.size(); ++i) {
-      detail::bmm_into(p.matrices[i], p.ps[i], p.qs[i].transpose(1, 2));
-      const auto& from = p.stacked_from[i];
-      for (size_t k = 0; k < from.size(); ++k) from[k].copy_(p.matrices[i][k]);
+      // A stack is decompressed in place, then copied to its tensors (torch's order).
+      const at::Tensor& out = p.outs[i].defined() ? p.outs[i] : p.matrices[i];
+      detail::bmm_into(out, p.ps[i], p.qs[i].transpose(1, 2));
+      const auto& into = p.stacked_into[i];
+      for (size_t k = 0; k < into.size(); ++k) into[k].copy_(p.matrices[i][k]);
     }
-    keep_error(b, p);
+    keep_error(p);
     if (o.warm_start) {
       s.store(s.p, b, p.p_mem);
       s.store(s.q, b, p.q_mem);
@@ -439,9 +471,9 @@ class BatchedPowerSGDHook : public PowerSGDBase {
     p.input = at::zeros({side * side}, p.buffer.options());
     p.input.narrow(0, 0, total).copy_(p.buffer.reshape({-1}));
     add_error(b, p);
-    at::Tensor matrix = p.input.view({1, side, side});
-    p.matrices.push_back(matrix);
-    p.stacked_from.emplace_back();
+    p.matrices.push_back(p.source.view({1, side, side}));
+    p.outs.push_back(p.input.view({1, side, side}));
+    p.stacked_into.emplace_back();
 
     at::Tensor pm = o.warm_start ? s.lookup(s.p, b, side * r, "p_memory_dict", name()) : at::Tensor();
     at::Tensor qm = o.warm_start ? s.lookup(s.q, b, side * r, "q_memory_dict", name()) : at::Tensor();
@@ -459,7 +491,7 @@ class BatchedPowerSGDHook : public PowerSGDBase {
     } else {
       detail::orthogonalize(p.qs[0], o.orthogonalization_epsilon);
     }
-    detail::bmm_into(p.ps[0], matrix, p.qs[0]);
+    detail::bmm_into(p.ps[0], p.matrices[0], p.qs[0]);
     return p_then_q(bucket, pg, p);
   }
 
@@ -467,8 +499,8 @@ class BatchedPowerSGDHook : public PowerSGDBase {
     auto& s = state_->impl();
     const int64_t b = static_cast<int64_t>(bucket.index());
     p.q_mem.div_(p.world);
-    detail::bmm_into(p.matrices[0], p.ps[0], p.qs[0].transpose(1, 2));
-    keep_error(b, p);
+    detail::bmm_into(p.outs[0], p.ps[0], p.qs[0].transpose(1, 2));
+    keep_error(p);
     p.buffer.copy_(p.input.narrow(0, 0, p.buffer.numel()).view_as(p.buffer));
     if (s.opts.warm_start) {
       s.store(s.p, b, p.p_mem);

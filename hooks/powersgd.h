@@ -60,7 +60,8 @@ void validate(const PowerSGDOptions& options);
 
 // The state a checkpoint holds, in torch's PowerSGDState field names. `rng_key`/
 // `rng_pos` are the MT19937 state of numpy's RandomState(random_seed) (numpy's
-// get_state()[1:3]). Tensors are the state's own (not copies).
+// get_state()[1:3]). snapshot() hands out the state's own tensors, which the hooks
+// update in place: copy them to keep them.
 struct PowerSGDSnapshot {
   PowerSGDOptions options;
   std::vector<uint32_t> rng_key;  // 624 words
@@ -97,7 +98,8 @@ class PowerSGDState {
   int64_t stats_reports() const;
 
   PowerSGDSnapshot snapshot() const;
-  // Replaces the state (options included, validated); keeps the process group.
+  // Replaces the state with a copy of `s` (options included, validated); keeps the
+  // process group.
   void restore(const PowerSGDSnapshot& s);
 
   // For the hooks in powersgd.cpp.

@@ -10,6 +10,7 @@ identical, bytes sent per step are counted by the hook. Prints one JSON line
 (ratio = smp PowerSGD / torch DDP allreduce).
 
     PYTHONPATH=build/python /usr/bin/python3 bench/powersgd.py [--rounds 5] [--steps 10]
+        [--bucket-view] [--bucket-cap-mb 25]
 """
 import argparse
 import copy
@@ -58,7 +59,8 @@ def worker(args):
     th.register_comm_hook(th_psgd.PowerSGDState(process_group=pg, **kw), th_psgd.powerSGD_hook)
     th_opt = torch.optim.SGD(th_net.parameters(), lr=1e-3)
 
-    model = smp.DistributedModel(base, gradient_as_bucket_view=view)
+    model = smp.DistributedModel(base, gradient_as_bucket_view=view,
+                                 bucket_cap_mb=args.bucket_cap_mb)
     opt = smp.DistributedOptimizer(torch.optim.SGD(base.parameters(), lr=1e-3))
     state = smp_psgd.PowerSGDState(None, **kw)
     model.register_comm_hook(state, smp_psgd.powerSGD_hook)
@@ -123,6 +125,7 @@ def worker(args):
             "smp_bytes_per_step": int(smp_bytes), "allreduce_bytes_per_step": plain_bytes,
             "bytes_reduction": round(plain_bytes / smp_bytes, 1),
             "smp_buckets": len(model._reducer.bucket_indices()),
+            "smp_bucket_cap_mb": args.bucket_cap_mb,
             "torch": torch.__version__}))
 
 
@@ -132,6 +135,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--bucket-view", action="store_true",
                         help="every model with gradient_as_bucket_view=True")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="smp's bucket_cap_mb (torch PowerSGD keeps one bucket)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         return worker(args)
@@ -140,6 +145,7 @@ def main():
            "--rounds", str(args.rounds), "--steps", str(args.steps)]
     if args.bucket_view:
         cmd.append("--bucket-view")
+    cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     line = [ln for ln in out.stdout.splitlines() if "RESULT " in ln]
     if out.returncode or not line:

@@ -2,14 +2,15 @@
 
 #include "hooks/debugging_hooks.h"
 #include "hooks/default_hooks.h"
+#include "hooks/powersgd.h"
 #include "smp_core/errors.h"
 
 namespace smp::hooks {
 
 const std::vector<std::string>& builtin_hook_names() {
   static const std::vector<std::string> names = {
-      "allreduce", "bf16_compress", "bf16_compress_wrapper", "fp16_compress",
-      "fp16_compress_wrapper", "noop"};
+      "allreduce",     "batched_powerSGD",      "bf16_compress", "bf16_compress_wrapper",
+      "fp16_compress", "fp16_compress_wrapper", "noop",          "powerSGD"};
   return names;
 }
 
@@ -32,6 +33,10 @@ CommHookPtr make_builtin_hook(const std::string& name, ProcessGroupPtr state,
   if (name == "fp16_compress") return fp16_compress_hook(std::move(state));
   if (name == "bf16_compress") return bf16_compress_hook(std::move(state));
   if (name == "noop") return noop_hook();
+  if (name == "powerSGD" || name == "batched_powerSGD") {
+    auto st = std::make_shared<PowerSGDState>(PowerSGDOptions{}, std::move(state));
+    return name == "powerSGD" ? powersgd_hook(st) : batched_powersgd_hook(st);
+  }
   std::string allowed;
   for (const auto& n : builtin_hook_names()) allowed += (allowed.empty() ? "" : ", ") + n;
   throw ConfigError("smp: built-in hook '" + name + "' is not one of {" + allowed + "}");

@@ -11,15 +11,17 @@
 namespace smp::hooks {
 
 // "allreduce", "fp16_compress", "bf16_compress", "noop", "fp16_compress_wrapper",
-// "bf16_compress_wrapper".
+// "bf16_compress_wrapper", "powerSGD", "batched_powerSGD" (sorted).
 const std::vector<std::string>& builtin_hook_names();
 
 // Whether `name` is a wrapper (needs `inner`).
 bool is_wrapper(const std::string& name);
 
 // The hook called `name` over `state` (null: the reducer's group). Wrappers take
-// `inner` and ignore `state`; the others must get no `inner`. Throws ConfigError
-// naming the allowed names.
+// `inner` and ignore `state`; the others must get no `inner`. "powerSGD" and
+// "batched_powerSGD" get a fresh PowerSGDState with default options over `state`
+// (build one with hooks/powersgd.h to choose them). Throws ConfigError naming the
+// allowed names.
 CommHookPtr make_builtin_hook(const std::string& name, ProcessGroupPtr state = {},
                               CommHookPtr inner = nullptr);
 

@@ -7,6 +7,9 @@
 namespace smp::hooks::detail {
 
 FuturePtr allreduce_sum(const ProcessGroupPtr& pg, const at::Tensor& t) {
+  // Nothing to send (the same on every rank: same layout). Gloo's allgather of empty
+  // tensors dies with SIGFPE.
+  if (t.numel() == 0) return completed_future(t);
   if (t.scalar_type() != at::kBFloat16 || pg->getBackendName() != "gloo")
     return allreduce_flat(pg, t);
   const int n = pg->getSize();

@@ -11,6 +11,7 @@
 
 #include "bindings.h"
 #include "hooks/builtin.h"
+#include "hooks/powersgd.h"
 #include "smp_core/errors.h"
 #include "smp_core/grad_bucket.h"
 #include "smp_core/join.h"
@@ -85,7 +86,27 @@ struct BuiltinHook {
 
 CommHookPtr to_comm_hook(const py::object& state, const py::object& hook);
 
+bool is_powersgd(const std::string& name) {
+  return name == "powerSGD" || name == "batched_powerSGD";
+}
+
+// The C++ state behind `state`: an smp PowerSGDState (its `_native`) or the native one.
+hooks::PowerSGDStatePtr powersgd_state(const py::object& state, const BuiltinHook& bh) {
+  py::object native = py::hasattr(state, "_native") ? state.attr("_native") : state;
+  try {
+    return native.cast<hooks::PowerSGDStatePtr>();
+  } catch (const py::cast_error&) {
+    throw ConfigError(str_cat("smp: ", bh.name, "_hook takes an "
+                              "smp.ddp_comm_hooks.powerSGD_hook.PowerSGDState as its state, not ",
+                              py::str(py::type::of(state)).cast<std::string>()));
+  }
+}
+
 CommHookPtr builtin_to_comm_hook(const py::object& state, const BuiltinHook& bh) {
+  if (is_powersgd(bh.name)) {
+    auto st = powersgd_state(state, bh);
+    return bh.name == "powerSGD" ? hooks::powersgd_hook(st) : hooks::batched_powersgd_hook(st);
+  }
   CommHookPtr inner = bh.inner.is_none() ? nullptr : to_comm_hook(state, bh.inner);
   ProcessGroupPtr pg;
   if (!hooks::is_wrapper(bh.name) && !state.is_none()) {
@@ -209,7 +230,8 @@ void bind_reducer(py::module_& m) {
             return make_builtin(t[0].cast<std::string>(), t[1]);
           }));
 
-  for (const char* name : {"allreduce", "fp16_compress", "bf16_compress", "noop"})
+  for (const char* name : {"allreduce", "fp16_compress", "bf16_compress", "noop", "powerSGD",
+                           "batched_powerSGD"})
     m.attr((std::string(name) + "_hook").c_str()) = make_builtin(name, py::none());
   m.def("fp16_compress_wrapper", [](py::object hook) {
     return make_builtin("fp16_compress_wrapper", std::move(hook));

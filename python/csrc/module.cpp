@@ -7,6 +7,7 @@ PYBIND11_MODULE(_C, m) {
   smp::python::bind_core(m);
   smp::python::bind_pipeline(m);
   smp::python::bind_reducer(m);
+  smp::python::bind_powersgd(m);
 #ifdef SMP_HAVE_SMP_PARTITION
   smp::python::bind_partition(m);
 #endif

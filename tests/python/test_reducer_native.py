@@ -238,7 +238,8 @@ def test_builtin_hook_objects():
     assert w.name == "fp16_compress_wrapper" and w.inner == _C.allreduce_hook
     import pickle
     assert pickle.loads(pickle.dumps(w)) == w
-    with pytest.raises(ValueError, match=r"is not one of \{allreduce, bf16_compress"):
+    with pytest.raises(ValueError,
+                       match=r"is not one of \{allreduce, batched_powerSGD, bf16_compress"):
         _C.BuiltinHook("powersgd")
 
 

@@ -97,7 +97,7 @@ TEST(DefaultHooks, Bf16SumOnGlooMatchesFloatSum) {
 }
 
 TEST(Builtin, NamesAndErrors) {
-  EXPECT_EQ(builtin_hook_names().size(), 6u);
+  EXPECT_EQ(builtin_hook_names().size(), 8u);
   for (const auto& name : builtin_hook_names()) {
     auto h = is_wrapper(name) ? make_builtin_hook(name, {}, allreduce_hook())
                               : make_builtin_hook(name);
@@ -108,8 +108,8 @@ TEST(Builtin, NamesAndErrors) {
     FAIL();
   } catch (const ConfigError& e) {
     EXPECT_STREQ(e.what(), "smp: built-in hook 'powersgd' is not one of {allreduce, "
-                           "bf16_compress, bf16_compress_wrapper, fp16_compress, "
-                           "fp16_compress_wrapper, noop}");
+                           "batched_powerSGD, bf16_compress, bf16_compress_wrapper, "
+                           "fp16_compress, fp16_compress_wrapper, noop, powerSGD}");
   }
   EXPECT_THROW(make_builtin_hook("fp16_compress_wrapper"), ConfigError);
   EXPECT_THROW(make_builtin_hook("allreduce", {}, noop_hook()), ConfigError);

@@ -1,0 +1,157 @@
+"""PowerSGD benchmark: smp's C++ powerSGD_hook against torch DDP (plain allreduce) and
+torch DDP + torch's own powerSGD_hook, in the same run.
+
+2 ranks (Gloo, loopback), torch.set_num_threads(1) each, 6x (Linear(1024,1024)+ReLU),
+batch 64 per rank, SGD, matrix_approximation_rank 2, compression from step 2. torch's
+PowerSGD gets one bucket (with two or more it aborts on Gloo, FACTS.md); smp keeps its
+default buckets. All three models start equal and see the same data; blocks of steps
+are timed in turn so drift of the machine hits all alike. Checked: smp's replicas are
+identical, bytes sent per step are counted by the hook. Prints one JSON line
+(ratio = smp PowerSGD / torch DDP allreduce).
+
+    PYTHONPATH=build/python /usr/bin/python3 bench/powersgd.py [--rounds 5] [--steps 10]
+        [--bucket-view] [--bucket-cap-mb 25]
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BUILD = os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build"))
+RANK_R = 2
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import smp
+    from smp.ddp_comm_hooks import powerSGD_hook as smp_psgd
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as th_psgd
+    torch.set_num_threads(1)
+    smp.init({"ddp": True})
+    pg = smp.get_dp_process_group()
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    base = nn.Sequential(*layers)
+    kw = dict(matrix_approximation_rank=RANK_R, start_powerSGD_iter=2, random_seed=0)
+
+    plain_net = copy.deepcopy(base)
+    view = args.bucket_view  # the same for all three models
+    plain = nn.parallel.DistributedDataParallel(plain_net, process_group=pg,
+                                                gradient_as_bucket_view=view)
+    plain_opt = torch.optim.SGD(plain_net.parameters(), lr=1e-3)
+
+    th_net = copy.deepcopy(base)
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 64 << 20  # one bucket (DDP's documented knob)
+    th = nn.parallel.DistributedDataParallel(th_net, process_group=pg, bucket_cap_mb=64,
+                                             gradient_as_bucket_view=view)
+    dist._DEFAULT_FIRST_BUCKET_BYTES = first
+    th.register_comm_hook(th_psgd.PowerSGDState(process_group=pg, **kw), th_psgd.powerSGD_hook)
+    th_opt = torch.optim.SGD(th_net.parameters(), lr=1e-3)
+
+    model = smp.DistributedModel(base, gradient_as_bucket_view=view,
+                                 bucket_cap_mb=args.bucket_cap_mb)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(base.parameters(), lr=1e-3))
+    state = smp_psgd.PowerSGDState(None, **kw)
+    model.register_comm_hook(state, smp_psgd.powerSGD_hook)
+
+    @smp.step
+    def train(x):
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    gen = torch.Generator().manual_seed(smp.rank())
+    batches = [torch.randn(64, 1024, generator=gen) for _ in range(4)]
+
+    def smp_step(i):
+        train(batches[i % 4])
+        opt.step()
+        opt.zero_grad()
+
+    def ddp_step(ddp, o):
+        def step(i):
+            ddp(batches[i % 4]).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        return step
+
+    plain_step, th_step = ddp_step(plain, plain_opt), ddp_step(th, th_opt)
+
+    def timed(fn, n):
+        smp.barrier()
+        start = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        return (time.perf_counter() - start) / n * 1e3
+
+    for i in range(4):  # warm up; compression starts at step 2
+        smp_step(i)
+        plain_step(i)
+        th_step(i)
+    assert state.iter >= state.start_powerSGD_iter
+    smp_t, plain_t, th_t = [], [], []
+    bytes0 = state.bytes_allreduced()
+    for _ in range(args.rounds):
+        plain_t.append(timed(plain_step, args.steps))
+        th_t.append(timed(th_step, args.steps))
+        smp_t.append(timed(smp_step, args.steps))
+    smp_bytes = (state.bytes_allreduced() - bytes0) / (args.rounds * args.steps)
+    plain_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
+    replicas = smp.allgather(flat, smp.CommGroup.DP_GROUP)
+    assert all(torch.equal(replicas[0], t) for t in replicas), "smp replicas differ"
+    assert torch.isfinite(flat).all()
+    times = smp.allgather((statistics.median(smp_t), statistics.median(plain_t),
+                           statistics.median(th_t)))
+    if smp.rank() == 0:
+        smp_ms, plain_ms, th_ms = (max(t[k] for t in times) for k in range(3))
+        print("RESULT " + json.dumps({
+            "bench": "powersgd", "world": smp.size(), "rank": RANK_R,
+            "bucket_view": args.bucket_view, "smp_ms": round(smp_ms, 2),
+            "torch_ms": round(plain_ms, 2), "torch_powersgd_ms": round(th_ms, 2),
+            "ratio": round(smp_ms / plain_ms, 3),
+            "ratio_vs_torch_powersgd": round(smp_ms / th_ms, 3),
+            "smp_bytes_per_step": int(smp_bytes), "allreduce_bytes_per_step": plain_bytes,
+            "bytes_reduction": round(plain_bytes / smp_bytes, 1),
+            "smp_buckets": len(model._reducer.bucket_indices()),
+            "smp_bucket_cap_mb": args.bucket_cap_mb,
+            "torch": torch.__version__}))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--bucket-view", action="store_true",
+                        help="every model with gradient_as_bucket_view=True")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="smp's bucket_cap_mb (torch PowerSGD keeps one bucket)")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        return worker(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", "2", __file__,
+           "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    if args.bucket_view:
+        cmd.append("--bucket-view")
+    cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    line = [ln for ln in out.stdout.splitlines() if "RESULT " in ln]
+    if out.returncode or not line:
+        sys.exit(f"powersgd bench failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    print(line[0].split("RESULT ", 1)[1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""PowerSGD gradient compression (Vogels et al., 2019, https://arxiv.org/abs/1905.13727),
+at the path and with the API of torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.
+
+The hooks are C++ (`smp._C.BuiltinHook` objects, hooks/powersgd.cpp): registered with
+`model.register_comm_hook(state, powerSGD_hook)` they run on the reducer's comm thread,
+with no Python on the hot path. Each bucket's three allreduces (uncompressed rest, P,
+Q) are issued in that order from that one thread, so any number of buckets works on
+Gloo (torch 1.13's hook aborts there with two or more; its batched hook always fails).
+
+Cost per compressed n x m matrix: (n + m) * rank elements sent instead of n * m, and
+two (n x m) x (m x rank) products plus an orthogonalisation of each factor.
+"""
+import numpy as np
+import torch
+
+from smp import _C
+
+__all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"]
+
+powerSGD_hook = _C.powerSGD_hook
+batched_powerSGD_hook = _C.batched_powerSGD_hook
+
+_OPTIONS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
+            "use_error_feedback", "warm_start", "orthogonalization_epsilon",
+            "compression_stats_logging_frequency", "batch_tensors_with_same_shape")
+_COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression",
+             "next_stats_report")
+_TENSORS = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def _config_error(msg):
+    from smp import core
+    return core.ConfigError(msg)
+
+
+def _check_int(name, value):
+    # Values are checked in C++ (hooks/powersgd.cpp), with the same message there.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise _config_error(f"smp: PowerSGDState {name}={value!r} must be an int")
+    return int(value)
+
+
+def _dp_group_or_none():
+    from smp import core
+    return core.get_dp_process_group() if core.is_initialized() else None
+
+
+class PowerSGDState:
+    """The hyperparameters and per-bucket state of PowerSGD (torch's PowerSGDState).
+
+    Args:
+        process_group: group to reduce over; None: smp's dp group (the group of the
+            model the hook is registered on).
+        matrix_approximation_rank: rank r of M ~ P Q^T (>= 1); 1-4 is typical.
+        start_powerSGD_iter: steps of plain averaging before compression starts.
+        min_compression_rate: compress a matrix only if (n + m) * r * rate < n * m.
+        use_error_feedback: add last step's compression error to this step's gradient
+            (`error_feedback=` is accepted as an alias).
+        warm_start: reuse last step's Q instead of a fresh random one.
+        orthogonalization_epsilon: added to column norms (avoids NaN on zero columns).
+        random_seed: seeds the initial Qs exactly as torch does (numpy's
+            RandomState(random_seed), one torch seed per initialisation), so a run
+            matches torch's hook with the same seed.
+        compression_stats_logging_frequency: steps between stats reports.
+        batch_tensors_with_same_shape: compress same-shaped tensors as one batch.
+
+    Raises:
+        smp.ConfigError (a ValueError): matrix_approximation_rank < 1;
+            start_powerSGD_iter <= 1 with use_error_feedback or warm_start (the
+            buckets are rebuilt after the first step); random_seed outside
+            [0, 2**32 - 1].
+    """
+
+    def __init__(self, process_group=None, matrix_approximation_rank=1,
+                 start_powerSGD_iter=1_000, min_compression_rate=2, use_error_feedback=True,
+                 warm_start=True, orthogonalization_epsilon=0, random_seed=0,
+                 compression_stats_logging_frequency=10_000,
+                 batch_tensors_with_same_shape=False, error_feedback=None):
+        if error_feedback is not None:
+            use_error_feedback = error_feedback
+        matrix_approximation_rank = _check_int("matrix_approximation_rank",
+                                               matrix_approximation_rank)
+        start_powerSGD_iter = _check_int("start_powerSGD_iter", start_powerSGD_iter)
+        if isinstance(random_seed, bool) or not isinstance(random_seed, (int, np.integer)) \
+                or not 0 <= random_seed <= 2**32 - 1:
+            raise _config_error(f"smp: PowerSGDState random_seed={random_seed!r} must be an "
+                                "int in [0, 2**32 - 1] (numpy's RandomState seeds)")
+        self._native = _C.PowerSGDState(
+            process_group, matrix_approximation_rank, start_powerSGD_iter,
+            float(min_compression_rate), bool(use_error_feedback), bool(warm_start),
+            float(orthogonalization_epsilon), int(random_seed),
+            max(1, int(compression_stats_logging_frequency)),
+            bool(batch_tensors_with_same_shape))
+        self._process_group = process_group
+
+    # --- torch's attributes ------------------------------------------------------------
+
+    @property
+    def process_group(self):
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, pg):
+        self._native.process_group = pg
+        self._process_group = pg
+
+    def __getattr__(self, name):
+        # Only reached for names not found normally: the options, counters and tensors.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in _OPTIONS or name == "random_seed":
+            return self._native.options()[name]
+        if name == "iter":
+            return self._native.iter()
+        if name in _COUNTERS or name in _TENSORS:
+            return self._native.snapshot(False)[name]
+        if name == "rng":
+            return self.state_dict()["rng"]
+        raise AttributeError(f"'PowerSGDState' object has no attribute '{name}'")
+
+    def compression_stats(self):
+        """(compress_rate, numel_before_compression, numel_after_compression) summed over
+        every compressed step (rate 0 before the first), as torch's."""
+        return tuple(self._native.compression_stats())
+
+    def bytes_allreduced(self):
+        """Bytes this rank gave to the hooks' allreduces so far (all steps)."""
+        return self._native.bytes_allreduced()
+
+    # --- state ------------------------------------------------------------------------
+
+    def state_dict(self):
+        """The state without the process group: torch's PowerSGDState fields (`rng` is a
+        numpy RandomState) plus `random_seed`. Tensors are copies."""
+        snap = self._native.snapshot(True)
+        rng = np.random.RandomState()
+        rng.set_state(("MT19937", np.array(snap.pop("rng_key"), dtype=np.uint32),
+                       snap.pop("rng_pos"), 0, 0.0))
+        snap["rng"] = rng
+        snap.pop("timeout_s", None)
+        return snap
+
+    def load_state_dict(self, state_dict):
+        """Loads what state_dict() (or torch's PowerSGDState.__getstate__()) returned;
+        training then continues exactly where it was saved. Keeps the process group."""
+        d = dict(state_dict)
+        rng = d.pop("rng", None)
+        if rng is None:
+            raise _config_error("smp: PowerSGDState.load_state_dict: the state has no 'rng'")
+        kind, key, pos, has_gauss, _ = rng.get_state()
+        if kind != "MT19937" or has_gauss:
+            raise _config_error(f"smp: PowerSGDState.load_state_dict: rng state {kind!r} "
+                                f"(has_gauss={has_gauss}) is not a fresh MT19937 RandomState")
+        d["rng_key"] = [int(k) for k in key]
+        d["rng_pos"] = int(pos)
+        self._native.restore(d)
+
+    def __getstate__(self):
+        return self.state_dict()
+
+    def __setstate__(self, state):
+        o = {k: state[k] for k in _OPTIONS if k in state}
+        o["random_seed"] = int(state.get("random_seed", 0))
+        # __init__ validates; a state saved before compression started may hold any iter.
+        self.__init__(process_group=None, **o)
+        self.load_state_dict(state)
+        self.process_group = _dp_group_or_none()

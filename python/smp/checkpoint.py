@@ -86,20 +86,24 @@ def _builtin_hook_by_name(module, name):
     return getattr(importlib.import_module(module), name)
 
 
+def _hook_modules():
+    from smp.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
+    return (default_hooks, debugging_hooks, powerSGD_hook)
+
+
 def _reduce_builtin_hook(hook):
-    from smp.ddp_comm_hooks import debugging_hooks, default_hooks
-    for mod in (default_hooks, debugging_hooks):
+    for mod in _hook_modules():
         for name in getattr(mod, "__all__", ()):
             if getattr(mod, name, None) is hook:
                 return _builtin_hook_by_name, (mod.__name__, name)
-    raise pickle.PicklingError(f"smp: comm hook {hook!r} is not a module-level built-in hook "
-                               "and cannot be pickled by reference")
+    # Not a module attribute (a wrapper such as fp16_compress_wrapper(hook)): the hook's
+    # own pickling, by name and inner hook (python/csrc/bind_reducer.cpp).
+    return hook.__reduce_ex__(2)
 
 
 def _register_hook_pickling():
-    from smp.ddp_comm_hooks import debugging_hooks, default_hooks
     types = set()
-    for mod in (default_hooks, debugging_hooks):
+    for mod in _hook_modules():
         for name in getattr(mod, "__all__", ()):
             obj = getattr(mod, name, None)
             if obj is not None and type(obj).__module__ in ("smp._C", "_C"):

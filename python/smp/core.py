@@ -69,8 +69,8 @@ class _State:
 
     def microbatch_of_task(self):
         """The microbatch the calling thread works on (pipeline tasks), else the step's."""
-        from smp.pipeline import _task
-        return _task.mb if _task.mb is not None else self.microbatch
+        from smp.task import current
+        return current.mb if current.mb is not None else self.microbatch
 
 
 state = _State()
@@ -259,10 +259,8 @@ def shutdown():
     """Tears down smp's groups (tests and scripts that re-initialise)."""
     if not state.initialized:
         return
-    if state.model is not None and getattr(state.model, "_engine", None) is not None:
-        state.model._engine.shutdown()
-        from smp import placement
-        placement.restore_classes(state.model._module_table or ())
+    if state.model is not None:
+        state.model._shutdown()
     timeline.close()
     _C.shutdown()
     if dist.is_initialized():

@@ -409,7 +409,7 @@ def _pp_announce(model, state, is_last_joiner=False):
 def _pp_receive(model):
     """Peer: the driver's join state of this iteration."""
     import pickle
-    from smp import pipeline
+    from smp.remote_errors import raise_remote
     e = model._engine
     e.epoch += 1
     e.p2p.begin_step(e.epoch)
@@ -417,7 +417,7 @@ def _pp_receive(model):
     msg = e.p2p.recv(-1, _C.ANY, (1 << int(k.STEP_END)) | (1 << int(k.ABORT)),
                      "this iteration's join state from the pipeline driver (pp rank 0)")
     if msg.kind == k.ABORT:
-        pipeline._raise_remote(msg.meta)
+        raise_remote(msg.meta)
     tag, state, is_last_joiner = pickle.loads(msg.meta)
     if tag != "smp-join":
         raise RuntimeError(f"smp.join: pipeline protocol error: expected the join state from "

@@ -298,6 +298,14 @@ class DistributedModel(ModelStateMixin, torch.nn.Module, _join.Joinable):
             hook(self, core.state.optimizer)
         return results
 
+    def _shutdown(self):
+        """smp.shutdown(): stops the pipeline's threads and gives the module back its
+        own classes (Note [Routing by class])."""
+        if self._engine is not None:
+            from smp import placement
+            self._engine.shutdown()
+            placement.restore_classes(self._module_table or ())
+
     def begin_pipeline_backward(self):
         """Called by every task before its backward work (any thread): the first call of
         a synchronized step arms the reducer (Note [Pipeline overlap])."""

@@ -23,16 +23,18 @@ import contextlib
 import datetime
 import os
 import pickle
-import queue
 import sys
 import threading
-import traceback
 
 import torch
 import torch.distributed as dist
 
 from smp import _C, core, placement
-from smp.step import same_sequence
+from smp.nested import flatten, unflatten
+from smp.remote_call import Call, RemoteCall, anchor
+from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
+from smp.task import current as _task
+from smp.workers import Workers
 from smp.timeline import timeline
 
 __all__ = []
@@ -42,84 +44,6 @@ _BIT = {k: 1 << int(k) for k in (K.REQUEST, K.RESPONSE, K.BACKWARD_REQUEST,
                                  K.BACKWARD_RESPONSE, K.ERROR, K.STEP_END, K.ABORT)}
 _SERVE_MASK = _BIT[K.REQUEST] | _BIT[K.BACKWARD_REQUEST] | _BIT[K.ABORT]
 _CALL_ID_STRIDE = 1 << 40
-
-
-class RemoteTraceback(Exception):
-    """Carries the traceback text of an exception raised on another rank."""
-
-    def __str__(self):
-        return "\n" + self.args[0]
-
-
-class _TensorSlot:
-    __slots__ = ("index",)
-
-    def __init__(self, index):
-        self.index = index
-
-    def __reduce__(self):
-        return (_TensorSlot, (self.index,))
-
-
-def flatten(value, tensors):
-    """Replaces tensors in `value` by slots appended to `tensors`; returns the skeleton."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _TensorSlot(len(tensors) - 1)
-    if isinstance(value, (list, tuple)):
-        return same_sequence(value, [flatten(v, tensors) for v in value])
-    if isinstance(value, dict):
-        return type(value)((k, flatten(v, tensors)) for k, v in value.items())
-    return value
-
-
-def unflatten(skeleton, tensors):
-    if isinstance(skeleton, _TensorSlot):
-        return tensors[skeleton.index]
-    if isinstance(skeleton, (list, tuple)):
-        return same_sequence(skeleton, [unflatten(v, tensors) for v in skeleton])
-    if isinstance(skeleton, dict):
-        return type(skeleton)((k, unflatten(v, tensors)) for k, v in skeleton.items())
-    return skeleton
-
-
-def _error_payload(exc):
-    """The exception, its traceback text and the schedule cell (pp rank, microbatch,
-    backward) where it was raised: the first cell that failed travels with it."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    where = f"(raised on rank {core.rank()}, pp rank {core.pp_rank()})\n"
-    cell = getattr(exc, "_smp_cell", None)
-    if cell is None and _task.mb is not None:
-        cell = (core.pp_rank(), _task.mb, bool(_task.backward))
-    try:
-        blob = pickle.dumps(exc)
-        pickle.loads(blob)
-    except Exception:  # unpicklable exception: carry its text
-        blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return pickle.dumps((blob, where + text, cell))
-
-
-def _remote_exception(meta):
-    blob, text, cell = pickle.loads(meta)
-    exc = pickle.loads(blob)
-    try:
-        exc._smp_cell = cell
-    except AttributeError:
-        pass
-    return exc, text
-
-
-def _raise_remote(meta):
-    exc, text = _remote_exception(meta)
-    raise exc from RemoteTraceback(text)
-
-
-class _Task(threading.local):
-    """Per-thread context: which microbatch this task works on."""
-
-    mb = None
-    backward = False
-    leader = False  # the serving thread that takes new requests (Note [Serving])
 
 
 class _ServingState:
@@ -134,61 +58,6 @@ class _ServingState:
         with self.cond:
             self.over = True
             self.cond.notify_all()
-
-
-_task = _Task()
-
-
-class _Workers:
-    """Persistent task threads. Starting a thread per microbatch every step costs real
-    time (a stack, Python and torch thread state), so tasks run on threads kept from
-    step to step; the most recently used idle thread is reused first (its caches are
-    warm)."""
-
-    def __init__(self, name):
-        self.name = name
-        self.cond = threading.Condition()
-        self.idle = []     # inboxes of threads without work
-        self.inboxes = []  # every thread's
-        self.pending = 0   # callables submitted and not finished
-
-    def _loop(self, inbox):
-        while True:
-            fn = inbox.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            finally:
-                with self.cond:
-                    self.pending -= 1
-                    self.idle.append(inbox)
-                    self.cond.notify_all()
-
-    def spawn(self, fn):
-        """Runs `fn` (which catches its own exceptions) on an idle or new thread."""
-        with self.cond:
-            self.pending += 1
-            inbox = self.idle.pop() if self.idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            self.inboxes.append(inbox)
-            threading.Thread(target=self._loop, args=(inbox,), daemon=True,
-                             name=f"{self.name}{len(self.inboxes) - 1}").start()
-        inbox.put(fn)
-
-    def run(self, fns):
-        """Runs each callable on its own thread; returns when all of them, and all that
-        they spawned, have returned."""
-        for fn in fns:
-            self.spawn(fn)
-        with self.cond:
-            self.cond.wait_for(lambda: self.pending == 0)
-
-    def stop(self):
-        for inbox in self.inboxes:
-            inbox.put(None)
-        self.inboxes, self.idle = [], []
 
 
 class Engine:
@@ -217,7 +86,7 @@ class Engine:
         self.epoch = 0
         self.fwd_done = set()  # microbatches whose forward finished ("simple")
         self.fwd_cond = threading.Condition()
-        self.workers = _Workers("smp-task")
+        self.workers = Workers("smp-task")
         # The one source of order: token priorities, receive order, the driver's window
         # and the "simple" barrier all come from the C++ schedule (smp_core/scheduler.h).
         self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, core.pp_size(),
@@ -278,12 +147,12 @@ class Engine:
                 self.serve(msg)
                 continue
             if msg.kind == K.ABORT:
-                _raise_remote(msg.meta)
+                raise_remote(msg.meta)
             if msg.call_id != call_id:
                 raise RuntimeError(f"smp: pipeline protocol error: got {K(msg.kind).name} of "
                                    f"call {msg.call_id} while waiting for call {call_id}")
             if msg.kind == K.ERROR:
-                _raise_remote(msg.meta)
+                raise_remote(msg.meta)
             return msg
 
     def call(self, name, owner, args, kwargs):
@@ -296,10 +165,10 @@ class Engine:
         skeleton = flatten((args, kwargs), tensors)
         grad = torch.is_grad_enabled()
         flags = placement.mode_flags(self.subtrees[name])
-        call = _Call(self, name, owner, mb, self._next_call_id(mb), skeleton, tensors, grad,
+        call = Call(self, name, owner, mb, self._next_call_id(mb), skeleton, tensors, grad,
                      flags)
         if grad:
-            outs = _RemoteCall.apply(call, _anchor(), *tensors)
+            outs = RemoteCall.apply(call, anchor(), *tensors)
             if not isinstance(outs, tuple):
                 outs = (outs,)
         else:
@@ -353,7 +222,7 @@ class Engine:
         except Exception as exc:  # answer the caller; it re-raises with our traceback
             self.records.pop(key, None)
             self.p2p.send(msg.src, _C.Message(msg.mb, msg.call_id, K.ERROR,
-                                              _error_payload(exc), []))
+                                              error_payload(exc), []))
 
     # Note [Serving]: a non-driver rank serves requests of every microbatch with ONE
     # thread at a time, the leader: it takes the next request (backward work first under
@@ -431,7 +300,7 @@ class Engine:
         the step, raises `exc`'s message; so does the driver."""
         self.epoch += 1
         self.p2p.begin_step(self.epoch)
-        payload = _error_payload(exc)
+        payload = error_payload(exc)
         for r in range(1, core.pp_size()):
             self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
         raise exc
@@ -460,7 +329,7 @@ class Engine:
                             exc._smp_cell = (0, mb, bool(_task.backward))
                         except AttributeError:
                             pass
-                    payload = _error_payload(exc)
+                    payload = error_payload(exc)
                     for r in range(core.pp_size()):
                         self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
                 errors.append(exc)
@@ -489,7 +358,7 @@ class Engine:
         finally:
             self.records.clear()
         if msg.kind == K.ABORT:
-            exc, text = _remote_exception(msg.meta)
+            exc, text = remote_exception(msg.meta)
             self.log_failure(exc)
             raise exc from RemoteTraceback(text)
         if self._serving.errors:
@@ -518,73 +387,3 @@ class Engine:
     def shutdown(self):
         self.workers.stop()
         self.p2p = None
-
-
-_ANCHOR = None
-
-
-def _anchor():
-    """A scalar that requires grad, so every remote call is a node of the graph even
-    when none of its inputs requires grad (the owner's parameters still need grads)."""
-    global _ANCHOR
-    if _ANCHOR is None:
-        _ANCHOR = torch.zeros((), requires_grad=True)
-    return _ANCHOR
-
-
-class _Call:
-    """One remote call: its identity and the owner's answer."""
-
-    def __init__(self, engine, name, owner, mb, call_id, skeleton, tensors, grad, flags):
-        self.engine, self.name, self.owner, self.mb, self.call_id = engine, name, owner, mb, call_id
-        self.skeleton, self.grad, self.flags = skeleton, grad, flags
-        self.requires_grad = [t.requires_grad for t in tensors]
-        self.out_skeleton = None
-        self.out_requires_grad = []
-
-    def forward(self, tensors):
-        e = self.engine
-        meta = pickle.dumps((self.name, self.skeleton, self.requires_grad, self.grad,
-                             self.flags))
-        with timeline.span(f"call {self.name}", mb=self.mb):
-            e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.REQUEST, meta,
-                                              [t.detach() for t in tensors]))
-            msg = e.wait(self.mb, self.call_id, K.RESPONSE,
-                         f"the output of '{self.name}' (microbatch {self.mb}, call "
-                         f"{self.call_id}) from pp rank {self.owner}")
-        self.out_skeleton, self.out_requires_grad = pickle.loads(msg.meta)
-        return msg.tensors
-
-    def backward(self, grads):
-        e = self.engine
-        present = [g is not None and rg for g, rg in zip(grads, self.out_requires_grad)]
-        sent = [g.contiguous() for g, p in zip(grads, present) if p]
-        with timeline.span(f"call bwd {self.name}", mb=self.mb):
-            e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.BACKWARD_REQUEST,
-                                              pickle.dumps(present), sent))
-            msg = e.wait(self.mb, self.call_id, K.BACKWARD_RESPONSE,
-                         f"the input gradients of '{self.name}' (microbatch {self.mb}, call "
-                         f"{self.call_id}) from pp rank {self.owner}")
-        flags = pickle.loads(msg.meta)
-        got = iter(msg.tensors)
-        return [next(got) if f else None for f in flags]
-
-
-class _RemoteCall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, call, anchor, *inputs):
-        outs = call.forward(list(inputs))
-        ctx.call = call
-        ctx.mark_non_differentiable(*[o for o, rg in zip(outs, call.out_requires_grad)
-                                      if not rg])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        prev = _task.backward
-        _task.backward = True
-        try:
-            in_grads = ctx.call.backward(grads)
-        finally:
-            _task.backward = prev
-        return (None, None) + tuple(in_grads)

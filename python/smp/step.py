@@ -12,6 +12,7 @@ import inspect
 import torch
 
 from smp import core
+from smp.nested import same_sequence
 
 __all__ = []
 
@@ -47,11 +48,6 @@ class StepOutput:
 
     def __repr__(self):
         return f"StepOutput({self.outputs!r})"
-
-
-def same_sequence(template, items):
-    """A list/tuple of `template`'s type (namedtuples too) holding `items`."""
-    return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
 
 
 def _split_tensor(t, num_mb, axis, where):

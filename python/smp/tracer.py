@@ -6,20 +6,14 @@ import time
 
 import torch
 
-from smp import _C, core
+from smp import _C, core, nested
 from smp.partitioning import manual_partition_of
 
 __all__ = []
 
 
 def _tensor_bytes(value):
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    return 0
+    return sum(t.numel() * t.element_size() for t in nested.tensor_leaves(value))
 
 
 def module_table(root):

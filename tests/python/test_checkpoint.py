@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import smp
-from conftest import run_ranks
+from conftest import PYTHON, run_ranks
 
 COMMON = r"""
 import json, os, sys, copy
@@ -372,3 +372,36 @@ def test_bad_arguments():
         smp.load("/nonexistent/file.pt", partial=False)
     with pytest.raises(smp.CheckpointError, match="no complete save"):
         smp.load("/nonexistent/file.pt", partial=True)
+
+
+POWERSGD_SAVE = r"""
+import sys, torch, smp
+from smp.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+smp.init({})
+state = psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3,
+                           random_seed=11)
+hook = default_hooks.fp16_compress_wrapper(psgd.batched_powerSGD_hook)
+smp.save({"comm_hook": hook, "plain": psgd.powerSGD_hook, "comm_hook_state": state},
+         sys.argv[1], partial=False)
+got = smp.load(sys.argv[1], partial=False)
+assert got["plain"] is psgd.powerSGD_hook
+assert got["comm_hook"] == hook and "batched_powerSGD_hook" in repr(got["comm_hook"])
+s = got["comm_hook_state"]
+assert s.process_group is smp.get_dp_process_group()  # rebound on load
+a, b = s.state_dict(), state.state_dict()
+ra, rb = a.pop("rng"), b.pop("rng")
+assert a == b, (a, b)
+assert all((x == y).all() if hasattr(x, "all") else x == y
+           for x, y in zip(ra.get_state(), rb.get_state()))  # the same random stream
+print("OK")
+"""
+
+
+def test_powersgd_hook_and_state_through_smp_save(tmp_path):
+    script = tmp_path / "psgd_save.py"
+    script.write_text(POWERSGD_SAVE)
+    import subprocess
+    from conftest import rank_env, free_port
+    out = subprocess.run([PYTHON, str(script), str(tmp_path / "hook.pt")], capture_output=True,
+                         text=True, env=rank_env(0, 1, free_port()), timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]

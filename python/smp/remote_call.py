@@ -1,0 +1,85 @@
+"""One call of a module owned by another pp rank, as one node of the caller's autograd
+graph: `_RemoteCall.forward` sends the request and returns the owner's outputs; its
+backward sends the output gradients and returns the input gradients the owner
+computed on the graph it kept for that call."""
+import pickle
+
+import torch
+
+from smp import _C
+from smp.task import current as _task
+from smp.timeline import timeline
+
+__all__ = []
+
+K = _C.MsgKind
+
+
+_ANCHOR = None
+
+
+def anchor():
+    """A scalar that requires grad, so every remote call is a node of the graph even
+    when none of its inputs requires grad (the owner's parameters still need grads)."""
+    global _ANCHOR
+    if _ANCHOR is None:
+        _ANCHOR = torch.zeros((), requires_grad=True)
+    return _ANCHOR
+
+
+class Call:
+    """One remote call: its identity and the owner's answer."""
+
+    def __init__(self, engine, name, owner, mb, call_id, skeleton, tensors, grad, flags):
+        self.engine, self.name, self.owner, self.mb, self.call_id = engine, name, owner, mb, call_id
+        self.skeleton, self.grad, self.flags = skeleton, grad, flags
+        self.requires_grad = [t.requires_grad for t in tensors]
+        self.out_skeleton = None
+        self.out_requires_grad = []
+
+    def forward(self, tensors):
+        e = self.engine
+        meta = pickle.dumps((self.name, self.skeleton, self.requires_grad, self.grad,
+                             self.flags))
+        with timeline.span(f"call {self.name}", mb=self.mb):
+            e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.REQUEST, meta,
+                                              [t.detach() for t in tensors]))
+            msg = e.wait(self.mb, self.call_id, K.RESPONSE,
+                         f"the output of '{self.name}' (microbatch {self.mb}, call "
+                         f"{self.call_id}) from pp rank {self.owner}")
+        self.out_skeleton, self.out_requires_grad = pickle.loads(msg.meta)
+        return msg.tensors
+
+    def backward(self, grads):
+        e = self.engine
+        present = [g is not None and rg for g, rg in zip(grads, self.out_requires_grad)]
+        sent = [g.contiguous() for g, p in zip(grads, present) if p]
+        with timeline.span(f"call bwd {self.name}", mb=self.mb):
+            e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.BACKWARD_REQUEST,
+                                              pickle.dumps(present), sent))
+            msg = e.wait(self.mb, self.call_id, K.BACKWARD_RESPONSE,
+                         f"the input gradients of '{self.name}' (microbatch {self.mb}, call "
+                         f"{self.call_id}) from pp rank {self.owner}")
+        flags = pickle.loads(msg.meta)
+        got = iter(msg.tensors)
+        return [next(got) if f else None for f in flags]
+
+
+class RemoteCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, anchor, *inputs):
+        outs = call.forward(list(inputs))
+        ctx.call = call
+        ctx.mark_non_differentiable(*[o for o, rg in zip(outs, call.out_requires_grad)
+                                      if not rg])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        prev = _task.backward
+        _task.backward = True
+        try:
+            in_grads = ctx.call.backward(grads)
+        finally:
+            _task.backward = prev
+        return (None, None) + tuple(in_grads)

@@ -192,8 +192,27 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   void prepare_pipeline(double grad_scale, const std::vector<int64_t>& held);
   void redo_all_locked();
   ReducerStats finalize();
-  void shadow_step();
+  void shadow_step(bool failed = false);
   void shutdown();
+
+  // Note [Failed rank]: the last slot of the used bitmap carries, below bit 20, the
+  // count of late gradients (Note [Pipeline overlap]) and, from bit 20 up, one bit per
+  // rank (ranks < 11) that could not run its step; any other rank then fails alike.
+  static constexpr int kFailedShift = 20;
+  static int32_t failed_flag(int r) { return r < 11 ? (int32_t{1} << (kFailedShift + r)) : (int32_t{1} << 30); }
+  static int32_t stale_count(int32_t slot) { return slot & ((int32_t{1} << kFailedShift) - 1); }
+  void check_failed_ranks() {
+    const int32_t slot = bitmap.data_ptr<int32_t>()[params.size()];
+    if ((slot >> kFailedShift) == 0) return;
+    std::string who;
+    for (int r = 0; r < 11 && r < world; ++r)
+      if (slot & failed_flag(r)) who += str_cat(who.empty() ? "" : ",", r);
+    if (who.empty()) who = ">= 11";
+    throw CommError(str_cat("smp: ", opts.group_name, " rank(s) ", who, " of ", group,
+                            " could not run step ", steps_done->load() + 1,
+                            " (see the error raised there, e.g. a bad input); every rank "
+                            "of the group stops here"));
+  }
 
   void check_usable() const {
     if (!broken.empty())
@@ -728,7 +747,8 @@ ReducerStats Reducer::Impl::finalize() {
       auto t0 = Clock::now();
       for (size_t b = 0; b < waits.size(); ++b) await_bucket(b, waits[b]);
       queue->wait(bitmap_t, opts.timeout_s + 1.0);
-      if (bitmap.data_ptr<int32_t>()[params.size()] > 0) {
+      check_failed_ranks();
+      if (stale_count(bitmap.data_ptr<int32_t>()[params.size()]) > 0) {
         lock.lock();
         st.redone = true;
         redo_all_locked();
@@ -757,6 +777,7 @@ ReducerStats Reducer::Impl::finalize() {
     auto t0 = Clock::now();
     queue->wait(bitmap_t, opts.timeout_s + 1.0);
     if (order_t) queue->wait(order_t, opts.timeout_s + 1.0);
+    check_failed_ranks();
     st.wait_ms += ms_since(t0);
 
     t0 = Clock::now();
@@ -787,7 +808,7 @@ ReducerStats Reducer::Impl::finalize() {
   return st;
 }
 
-void Reducer::Impl::shadow_step() {
+void Reducer::Impl::shadow_step(bool failed) {
   std::unique_lock<std::mutex> lock(mu);
   check_usable();
   if (phase != Phase::kIdle)
@@ -801,8 +822,10 @@ void Reducer::Impl::shadow_step() {
       waits.push_back(tickets[b]);
     }
     // Zeros from this rank; the sum comes back, so a late-gradient redo by the ranks
-    // still training (its last slot, Note [Pipeline overlap]) is shadowed too.
+    // still training (its last slot, Note [Pipeline overlap]) is shadowed too. A failed
+    // step adds kFailedRank + this rank's bit to the last slot (Note [Failed rank]).
     bitmap.zero_();
+    if (failed) bitmap.data_ptr<int32_t>()[params.size()] = failed_flag(rank);
     auto what = "the used-parameter allreduce (shadow step) on " + group;
     waits.push_back(queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
                                          s = opts.timeout_s, what] {
@@ -821,7 +844,8 @@ void Reducer::Impl::shadow_step() {
     for (size_t b = 0; b < buckets.size(); ++b) await_bucket(b, waits[b]);
     for (size_t k = buckets.size(); k < waits.size(); ++k) queue->wait(waits[k], opts.timeout_s + 1.0);
     lock.lock();
-    if (bitmap.data_ptr<int32_t>()[params.size()] > 0) {  // the others reduce again
+    if (!failed) check_failed_ranks();
+    if (stale_count(bitmap.data_ptr<int32_t>()[params.size()]) > 0) {  // the others redo
       for (size_t b = 0; b < buckets.size(); ++b) launch_locked(b, true);
       auto again = tickets;
       lock.unlock();
@@ -875,6 +899,7 @@ void Reducer::prepare_for_backward(bool sync, double grad_scale,
 ReducerStats Reducer::finalize() { return impl_->finalize(); }
 
 void Reducer::run_shadow_step() { impl_->shadow_step(); }
+void Reducer::fail_step() { impl_->shadow_step(/*failed=*/true); }
 
 void Reducer::set_active_ranks(int n) {
   std::lock_guard<std::mutex> lock(impl_->mu);

@@ -129,6 +129,12 @@ class Reducer {
   // rebuild broadcast); leaves .grad untouched.
   void run_shadow_step();
 
+  // This rank cannot run its step (a bad input, an exception before backward): it
+  // issues the step's collectives as a shadow step, flagged, so that every other rank
+  // of the group raises CommError in finalize() naming this rank, instead of waiting
+  // for it until the timeout. Call where the step's reduction would have been.
+  void fail_step();
+
   // Join with divide_by_initial_world_size=False: the default hook divides the next
   // synchronized steps' gradients by `n` (the ranks still training) instead of the
   // group size; 0 restores the group size. Custom hooks divide as they choose (as in

@@ -153,6 +153,12 @@ class DistributedModel(ModelStateMixin, torch.nn.Module, _join.Joinable):
         if not self.partitioned:
             self._partition(fn, mb_inputs, input_error)
         elif input_error is not None:
+            if core.pp_size() == 1 or core.pp_rank() == 0:
+                # The dp peers are told through the step's own collectives (Note
+                # [Failed rank] in smp_core/reducer.cpp): they raise too, naming this rank.
+                sync = (self._steps + 1) % self.backward_passes_per_step == 0
+                if self._dp_reduce and self._reducer is not None and sync:
+                    self._reducer.fail_step()
             if core.pp_size() == 1:
                 raise input_error
             if core.pp_rank() == 0:  # the driver tells every pp rank, then raises
@@ -281,6 +287,11 @@ class DistributedModel(ModelStateMixin, torch.nn.Module, _join.Joinable):
                 results, backward = self._engine.run_step(fn, mb_inputs)
             except BaseException:
                 self._tied.restore_grads()
+                if reduce and self._arm_reducer:
+                    # Not armed yet, so idle: tell the other replicas (Note [Failed
+                    # rank]) rather than leave them waiting in their reduction.
+                    self._arm_reducer = False
+                    self._reducer.fail_step()
                 raise
             if backward:
                 self._tied.sum_grads()

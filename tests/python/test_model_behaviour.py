@@ -302,6 +302,8 @@ def attempt(x):
         return "ok"
     except smp.ConfigError as e:
         return "ConfigError " + str(e).replace(chr(10), " ")
+    except smp.CommError as e:
+        return "CommError " + str(e).replace(chr(10), " ")
 
 mb = smp.num_microbatches()
 bad = opts["bad"]
@@ -309,9 +311,32 @@ first = torch.zeros(0, 8) if smp.rank() in bad else torch.randn(4, 8)
 print("FIRST", attempt(first))
 print("GOOD", attempt(torch.randn(4, 8)))
 later = torch.randn(mb - 1, 8) if smp.rank() in bad else torch.randn(4, 8)
-print("LATER", attempt(later))
+result = attempt(later)
+print("LATER", result)
+if opts.get("stop_after_later"):
+    sys.exit(0)  # a failed step leaves the reducer of the other ranks unusable, by design
 print("AGAIN", attempt(torch.randn(4, 8)))
 """
+
+
+@pytest.mark.parametrize("cfg,world", [
+    ({"ddp": True, "microbatches": 2}, 2),
+    ({"partitions": 2, "microbatches": 2, "ddp": True}, 4),
+], ids=["dp2", "pp2xdp2"])
+def test_a_bad_batch_on_one_replica_stops_every_replica(ranks, cfg, world):
+    # Rank 0 alone gets a batch too small for its microbatches in step 2: its replica
+    # raises the ConfigError; the other replica, whose reduction would wait for it,
+    # raises at once, naming the dp rank (Note [Failed rank]), instead of timing out.
+    res = ranks(ZERO, world, args=(json.dumps({"cfg": cfg, "bad": [0],
+                                               "stop_after_later": True}),), timeout=90)
+    later = [r.stdout.split("LATER ", 1)[1].splitlines()[0] for r in res]
+    pp = cfg.get("partitions", 1)
+    for rank, text in enumerate(later):
+        if rank < pp:  # rank 0's replica ("cluster": pp ranks of a replica are consecutive)
+            assert text.startswith("ConfigError smp.step: input 'x' has batch size 1"), later
+        else:
+            assert text.startswith("CommError smp: dp rank(s) 0 of"), later
+            assert "could not run step" in text, later
 
 
 @pytest.mark.parametrize("cfg,world,bad", [

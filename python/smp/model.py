@@ -11,15 +11,16 @@ Gradient averaging (explicit, see docs/data_parallel.md):
 - over dp ranks: the comm hook averages (the default allreduce hook divides by the dp
   group size before the sum, as torch DDP does).
 """
-import sys
 import threading
 
 import torch
 
 from smp import _C, core
-from smp import agreement, tracer
+from smp import agreement
 from smp import join as _join
+from smp.model_pipeline import PipelineMixin
 from smp.model_state import ModelStateMixin
+from smp.model_views import LocalViewsMixin
 
 __all__ = []
 
@@ -33,7 +34,8 @@ def _check_arg(name, value, ok, allowed):
         raise ValueError(f"smp.DistributedModel: argument '{name}'={value!r} is not {allowed}")
 
 
-class DistributedModel(ModelStateMixin, torch.nn.Module, _join.Joinable):
+class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn.Module,
+                       _join.Joinable):
     """Wraps `module` for model parallelism (partitions) and data parallelism (ddp).
 
     Args:
@@ -212,124 +214,6 @@ class DistributedModel(ModelStateMixin, torch.nn.Module, _join.Joinable):
         for hook in list(self._post_partition_hooks.values()):
             hook(self, core.state.optimizer)
 
-    # --- pipeline (partitions > 1) ----------------------------------------------------
-
-    def _set_microbatch(self, mb):
-        core.state.microbatch = mb
-
-    def _trace(self, fn, mb_inputs):
-        """Runs the first microbatch through the whole model, recording the trace.
-
-        The trace leaves no trace: buffers (BatchNorm statistics, counters) and RNG
-        states are restored afterwards. A failure on any rank raises on every rank.
-        """
-        trace = tracer.Trace(self.module, self.trace_execution_times, self.trace_memory_usage)
-        args, kwargs = mb_inputs[0]
-        restore = agreement.snapshot_side_effects(self.module)
-        core.state.tracing = True
-        self._in_step = True
-        error = None
-        try:
-            with trace, torch.no_grad():
-                fn(*args, **kwargs)
-        except Exception as exc:  # reported to every rank below
-            error = exc
-        finally:
-            core.state.tracing = False
-            self._in_step = False
-            restore()
-        mine = trace.nodes() if error is None else None
-        everyone = core.allgather((mine, agreement.error_of(error)), core.CommGroup.WORLD)
-        if error is not None:
-            raise error
-        agreement.raise_first_error([e for _, e in everyone], "tracing the model")
-        # pp rank 0's measurements decide (times differ between ranks).
-        ref = everyone[core.state.topology.pp_group(core.rank())[0]][0]
-        if [r["name"] for r in ref] != [r["name"] for r in mine]:
-            raise RuntimeError(f"smp: the model differs between pp ranks: {len(mine)} modules "
-                               f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
-        measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
-        return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
-
-    def _partition_pipeline(self, fn, mb_inputs):
-        from smp import pipeline, placement
-        records = self._trace(fn, mb_inputs)
-        nodes, plan = tracer.make_plan(records)
-        hashes = core.allgather(plan.hash, core.CommGroup.MP_GROUP)
-        if len(set(hashes)) != 1:
-            raise RuntimeError("smp: ranks of the mp group computed different partitions "
-                               f"(plan hashes by pp rank: {[hex(h) for h in hashes]})")
-        if core.rank() == 0:
-            print("smp: partition plan\n" + plan.table(nodes), file=sys.stderr, flush=True)
-        table = tracer.module_table(self.module)
-        self._plan = [(name, plan.assignment[i], plan.node_cost[i])
-                      for i, (name, _, _) in enumerate(table)]
-        self._owner = {name: plan.assignment[i] for i, (name, _, _) in enumerate(table)}
-        self._module_table = [(name, m) for name, m, _ in table]
-        engine = pipeline.Engine(self)
-        self._tied = placement.apply(self._module_table, self._owner, engine, core.pp_rank())
-        self._tied.sync_values()
-        self._engine = engine
-
-    def _run_pipeline_step(self, fn, mb_inputs, sync_step, joining=None):
-        self._in_step = True
-        self._backward_this_step = False
-        # Note [Pipeline overlap] (smp_core/reducer.cpp): the reducer is armed when this
-        # rank's first backward work of a synchronized step begins, so each bucket
-        # launches once its gradients are final, during the rest of the backward.
-        reduce = sync_step and self._dp_reduce
-        if reduce and self._reducer is None:
-            self._make_reducer()  # every dp rank, at the same step
-        self._arm_reducer = reduce
-        try:
-            self._tied.begin_step()
-            try:
-                results, backward = self._engine.run_step(fn, mb_inputs)
-            except BaseException:
-                self._tied.restore_grads()
-                if reduce and self._arm_reducer:
-                    # Not armed yet, so idle: tell the other replicas (Note [Failed
-                    # rank]) rather than leave them waiting in their reduction.
-                    self._arm_reducer = False
-                    self._reducer.fail_step()
-                raise
-            if backward:
-                self._tied.sum_grads()
-            else:
-                self._tied.restore_grads()
-            if backward and reduce:
-                self.begin_pipeline_backward()  # a rank that had no backward work
-                self._reducer.finalize()
-            if joining is not None:
-                joining.end_step(backward and sync_step and self._dp_reduce)
-        finally:
-            self._in_step = False
-            self._arm_reducer = False
-        for hook in list(self._post_step_hooks.values()):
-            hook(self, core.state.optimizer)
-        return results
-
-    def _shutdown(self):
-        """smp.shutdown(): stops the pipeline's threads and gives the module back its
-        own classes (Note [Routing by class])."""
-        if self._engine is not None:
-            from smp import placement
-            self._engine.shutdown()
-            placement.restore_classes(self._module_table or ())
-
-    def begin_pipeline_backward(self):
-        """Called by every task before its backward work (any thread): the first call of
-        a synchronized step arms the reducer (Note [Pipeline overlap])."""
-        if not self._arm_reducer:
-            return
-        with self._arm_lock:
-            if not self._arm_reducer:
-                return
-            self._arm_reducer = False
-            params = self._reduced_params()
-            hold = [i for i, p in enumerate(params) if self._tied.holds(p)]
-            self._reducer.prepare_for_pipeline_backward(1.0, hold)
-
     def _broadcast(self, tensors):
         with torch.no_grad():
             _C.broadcast_coalesced(core.get_dp_process_group(), tensors, 0)
@@ -459,44 +343,6 @@ class DistributedModel(ModelStateMixin, torch.nn.Module, _join.Joinable):
             raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
         self._comm_hook = (state, hook)
 
-    # --- local views and state --------------------------------------------------------
-
-    def _is_local(self, module_name):
-        return self._owner is None or self._owner[module_name] == core.pp_rank()
-
-    def local_named_modules(self, memo=None, prefix=""):
-        table = self._module_table if self._owner is not None else self.module.named_modules()
-        for name, m in table:
-            if self._is_local(name):
-                yield (prefix + ("." if prefix and name else "") + name, m)
-
-    def local_modules(self):
-        return (m for _, m in self.local_named_modules())
-
-    def local_named_parameters(self, prefix="", recurse=True):
-        seen = set()
-        for name, m in self.local_named_modules():
-            for pname, p in m.named_parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    full = f"{name}.{pname}" if name else pname
-                    yield (prefix + ("." if prefix else "") + full, p)
-
-    def local_parameters(self, recurse=True):
-        return (p for _, p in self.local_named_parameters())
-
-    def local_named_buffers(self, prefix="", recurse=True):
-        for name, m in self.local_named_modules():
-            for bname, b in m.named_buffers(recurse=False):
-                full = f"{name}.{bname}" if name else bname
-                yield (prefix + ("." if prefix else "") + full, b)
-
-    def local_buffers(self, recurse=True):
-        return (b for _, b in self.local_named_buffers())
-
-    def _key_owner(self, key):
-        return self._owner[key.rsplit(".", 1)[0] if "." in key else ""]
-
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clips gradients by the global norm over every partition (FSDP's name).
 
@@ -505,13 +351,6 @@ class DistributedModel(ModelStateMixin, torch.nn.Module, _join.Joinable):
         """
         from smp import grad_norm
         return grad_norm.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
-
-    def partition_plan(self):
-        """Module name -> {"partition": pp rank, "cost": normalized cost}."""
-        if self._plan is None:
-            return {name: {"partition": 0, "cost": 0.0}
-                    for name, _ in self.module.named_modules()}
-        return {name: {"partition": p, "cost": c} for name, p, c in self._plan}
 
     def cpu(self):
         """Gathers every pp rank's parameters and buffers and moves the model to CPU."""

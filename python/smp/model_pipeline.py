@@ -1,0 +1,129 @@
+"""The pipeline part of smp.DistributedModel (partitions > 1): the first step's trace
+and partition, and each step run through the pipeline engine with the tied-weight sum
+and the dp reduction overlapping the backward. A mixin of DistributedModel: it uses the
+model's attributes (see model.py's __init__)."""
+import sys
+
+import torch
+
+from smp import agreement, core, tracer
+
+__all__ = []
+
+
+class PipelineMixin:
+    def _set_microbatch(self, mb):
+        core.state.microbatch = mb
+
+    def _trace(self, fn, mb_inputs):
+        """Runs the first microbatch through the whole model, recording the trace.
+
+        The trace leaves no trace: buffers (BatchNorm statistics, counters) and RNG
+        states are restored afterwards. A failure on any rank raises on every rank.
+        """
+        trace = tracer.Trace(self.module, self.trace_execution_times, self.trace_memory_usage)
+        args, kwargs = mb_inputs[0]
+        restore = agreement.snapshot_side_effects(self.module)
+        core.state.tracing = True
+        self._in_step = True
+        error = None
+        try:
+            with trace, torch.no_grad():
+                fn(*args, **kwargs)
+        except Exception as exc:  # reported to every rank below
+            error = exc
+        finally:
+            core.state.tracing = False
+            self._in_step = False
+            restore()
+        mine = trace.nodes() if error is None else None
+        everyone = core.allgather((mine, agreement.error_of(error)), core.CommGroup.WORLD)
+        if error is not None:
+            raise error
+        agreement.raise_first_error([e for _, e in everyone], "tracing the model")
+        # pp rank 0's measurements decide (times differ between ranks).
+        ref = everyone[core.state.topology.pp_group(core.rank())[0]][0]
+        if [r["name"] for r in ref] != [r["name"] for r in mine]:
+            raise RuntimeError(f"smp: the model differs between pp ranks: {len(mine)} modules "
+                               f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
+        measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
+        return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
+
+    def _partition_pipeline(self, fn, mb_inputs):
+        from smp import pipeline, placement
+        records = self._trace(fn, mb_inputs)
+        nodes, plan = tracer.make_plan(records)
+        hashes = core.allgather(plan.hash, core.CommGroup.MP_GROUP)
+        if len(set(hashes)) != 1:
+            raise RuntimeError("smp: ranks of the mp group computed different partitions "
+                               f"(plan hashes by pp rank: {[hex(h) for h in hashes]})")
+        if core.rank() == 0:
+            print("smp: partition plan\n" + plan.table(nodes), file=sys.stderr, flush=True)
+        table = tracer.module_table(self.module)
+        self._plan = [(name, plan.assignment[i], plan.node_cost[i])
+                      for i, (name, _, _) in enumerate(table)]
+        self._owner = {name: plan.assignment[i] for i, (name, _, _) in enumerate(table)}
+        self._module_table = [(name, m) for name, m, _ in table]
+        engine = pipeline.Engine(self)
+        self._tied = placement.apply(self._module_table, self._owner, engine, core.pp_rank())
+        self._tied.sync_values()
+        self._engine = engine
+
+    def _run_pipeline_step(self, fn, mb_inputs, sync_step, joining=None):
+        self._in_step = True
+        self._backward_this_step = False
+        # Note [Pipeline overlap] (smp_core/reducer.cpp): the reducer is armed when this
+        # rank's first backward work of a synchronized step begins, so each bucket
+        # launches once its gradients are final, during the rest of the backward.
+        reduce = sync_step and self._dp_reduce
+        if reduce and self._reducer is None:
+            self._make_reducer()  # every dp rank, at the same step
+        self._arm_reducer = reduce
+        try:
+            self._tied.begin_step()
+            try:
+                results, backward = self._engine.run_step(fn, mb_inputs)
+            except BaseException:
+                self._tied.restore_grads()
+                if reduce and self._arm_reducer:
+                    # Not armed yet, so idle: tell the other replicas (Note [Failed
+                    # rank]) rather than leave them waiting in their reduction.
+                    self._arm_reducer = False
+                    self._reducer.fail_step()
+                raise
+            if backward:
+                self._tied.sum_grads()
+            else:
+                self._tied.restore_grads()
+            if backward and reduce:
+                self.begin_pipeline_backward()  # a rank that had no backward work
+                self._reducer.finalize()
+            if joining is not None:
+                joining.end_step(backward and sync_step and self._dp_reduce)
+        finally:
+            self._in_step = False
+            self._arm_reducer = False
+        for hook in list(self._post_step_hooks.values()):
+            hook(self, core.state.optimizer)
+        return results
+
+    def _shutdown(self):
+        """smp.shutdown(): stops the pipeline's threads and gives the module back its
+        own classes (Note [Routing by class])."""
+        if self._engine is not None:
+            from smp import placement
+            self._engine.shutdown()
+            placement.restore_classes(self._module_table or ())
+
+    def begin_pipeline_backward(self):
+        """Called by every task before its backward work (any thread): the first call of
+        a synchronized step arms the reducer (Note [Pipeline overlap])."""
+        if not self._arm_reducer:
+            return
+        with self._arm_lock:
+            if not self._arm_reducer:
+                return
+            self._arm_reducer = False
+            params = self._reduced_params()
+            hold = [i for i, p in enumerate(params) if self._tied.holds(p)]
+            self._reducer.prepare_for_pipeline_backward(1.0, hold)

@@ -92,10 +92,18 @@ def restore_classes(table):
             m.__class__ = base.__mro__[1]
 
 
-def subtree(table, name):
-    """Modules of `table` at `name` and below, in table order."""
-    prefix = name + "."
-    return [m for n, m in table if n == name or not name or n.startswith(prefix)]
+def subtrees(table):
+    """name -> the modules at that name and below, in table order. The table is in
+    pre-order, so each subtree is a contiguous run: one pass finds where each ends."""
+    names = [n for n, _ in table]
+    end = [len(table)] * len(table)
+    open_ = []  # indices of the ancestors of the current entry
+    for i, n in enumerate(names):
+        while open_ and not (names[open_[-1]] == "" or n.startswith(names[open_[-1]] + ".")):
+            end[open_.pop()] = i
+        open_.append(i)
+    mods = [m for _, m in table]
+    return {names[i]: mods[i:end[i]] for i in range(len(table))}
 
 
 # Note [Mode travels with the call]: `model.train()`/`eval()` (or a user's
@@ -125,15 +133,8 @@ class TiedParameters:
         self.entries = entries
         self.me = me
         self._stash = []
-
-    def __len__(self):
-        return len(self.entries)
-
-    def __bool__(self):
-        return True  # an empty set still answers begin_step/sum_grads (as no-ops)
-
-    def names(self):
-        return [name for name, _, _ in self.entries]
+        # Shapes before storage is released: non-holders still join the allreduces.
+        self._shapes = {id(t): t.shape for _, t, _ in entries}
 
     def holds(self, tensor):
         """Whether `tensor` is one of the tied tensors."""
@@ -158,17 +159,11 @@ class TiedParameters:
                 mine = self.me in holders
                 buf = t.detach().clone() if mine and holders[0] == self.me else None
                 if buf is None:
-                    shape = t.shape if mine else self._shape_of(t)
+                    shape = t.shape if mine else self._shapes[id(t)]
                     buf = torch.zeros(shape, dtype=t.dtype, device=t.device)
                 self._allreduce(buf)
                 if mine:
                     t.copy_(buf)
-
-    def _shape_of(self, t):
-        return self._shapes[id(t)]
-
-    def remember_shapes(self):
-        self._shapes = {id(t): t.shape for _, t, _ in self.entries}
 
     def begin_step(self):
         """Sets each held tied parameter's gradient aside, so the step's backward
@@ -199,7 +194,7 @@ class TiedParameters:
                 if not isinstance(t, torch.nn.Parameter) or not t.requires_grad:
                     continue
                 mine = self.me in holders
-                shape = t.shape if mine else self._shape_of(t)
+                shape = t.shape if mine else self._shapes[id(t)]
                 flat = torch.zeros(int(torch.Size(shape).numel()) + 1, dtype=t.dtype,
                                    device=t.device)
                 if mine and t.grad is not None:
@@ -260,17 +255,16 @@ def apply(table, owner_of, engine, me):
     """
     by_id = {id(m): name for name, m in table}
     sequentials = [(n, m) for n, m in table if _is_plain_sequential(m)]
+    engine.subtrees.update(subtrees(table))
     for name, m in table:
-        engine.subtrees[name] = subtree(table, name)
         if owner_of[name] == me:
             engine.owned[name] = m
         else:
             _routes[id(m)] = (engine, name, owner_of[name])
             _swap_class(m, _remote_class)
     for pname, parent in sequentials:
-        _segment_sequential(pname, parent, by_id, owner_of, engine, me, table)
+        _segment_sequential(pname, parent, by_id, owner_of, engine, me)
     tied, holders = find_tied(table, owner_of, me)
-    tied.remember_shapes()
     # Release what only other ranks hold: that is the point of model parallelism. The
     # Parameter objects stay (an optimizer may hold them); their storage goes.
     with torch.no_grad():
@@ -288,7 +282,7 @@ def apply(table, owner_of, engine, me):
 # child). The Sequential's owner runs it through a plan of local children and remote
 # segments; the run's owner serves the segment as an nn.Sequential of the run; each
 # child alone still routes itself when called directly elsewhere.
-def _segment_sequential(pname, parent, by_id, owner_of, engine, me, table):
+def _segment_sequential(pname, parent, by_id, owner_of, engine, me):
     plan, coalesced = [], False
     for o, run in _sequential_runs(parent, by_id, owner_of):
         if o == owner_of[pname] or len(run) == 1:
@@ -296,7 +290,7 @@ def _segment_sequential(pname, parent, by_id, owner_of, engine, me, table):
             continue
         names = [by_id[id(c)] for c in run]
         seg = f"{names[0]}..{names[-1]}"
-        engine.subtrees[seg] = [m for n in names for m in subtree(table, n)]
+        engine.subtrees[seg] = [m for n in names for m in engine.subtrees[n]]
         if o == me:
             engine.owned[seg] = torch.nn.Sequential(*run)
         plan.append(("remote", (engine, seg, o)))

@@ -259,6 +259,7 @@ def train_step(x):
 try:
     train_step(torch.randn(4, 8))
 except Exception as e:
+    assert isinstance(e, smp.ModelMismatchError), type(e)  # public, so users can catch it
     print("ERROR", type(e).__name__, str(e).replace(chr(10), " "))
     sys.exit(0)
 print("NO ERROR")

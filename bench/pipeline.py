@@ -135,21 +135,52 @@ def run_pipeline(steps, overlap=True):
         train(x, y)
         opt.step()
         opt.zero_grad()
+    s0 = model._engine.p2p.stats()
     start = time.perf_counter()
     for _ in range(steps):
         train(x, y)
         opt.step()
         opt.zero_grad()
     ms = (time.perf_counter() - start) / steps * 1e3
+    s1 = model._engine.p2p.stats()
+    overhead = request_overhead(net, model, s0, s1, steps)
     tracker = ActivationTracker(list(model.local_parameters()))
     pipeline.Engine.task_context = tracker.context
     train(x, y)
     peaks = smp.allgather(tracker.peak / 2**20)
     params = smp.allgather(sum(p.numel() * p.element_size()
                                for p in model.local_parameters()) / 2**20)
+    overheads = smp.allgather(overhead)
     if smp.rank() == 0:
         print("RESULT " + json.dumps({"ms": ms, "loss0": first, "peak_act_mb": peaks,
-                                      "param_mb": params}))
+                                      "param_mb": params, "request_overhead_ms": overheads}))
+
+
+def request_overhead(net, model, s0, s1, steps):
+    """Per request served on this rank: (time the compute token was held per step - the
+    same modules' forward + backward of the step's microbatches run alone here) /
+    requests per step. None on the driver (it runs the step body, not requests)."""
+    import torch
+    import smp
+    if smp.pp_rank() == 0:
+        return None
+    mine = {id(m) for m in model.local_modules()}
+    seq = torch.nn.Sequential(*[m for m in net if id(m) in mine])
+    xs = torch.randn(BATCH // M, WIDTH)
+
+    def work():
+        for _ in range(M):
+            inp = xs.clone().requires_grad_()
+            out = seq(inp)
+            out.backward(torch.ones_like(out))
+    work()
+    t = time.perf_counter()
+    for _ in range(steps):
+        work()
+    alone = (time.perf_counter() - t) / steps * 1e3
+    held = (s1.token_held_s - s0.token_held_s) / steps * 1e3
+    requests = (s1.messages_received - s0.messages_received) / steps - 1  # not STEP_END
+    return round((held - alone) / requests, 3)
 
 
 # Note [Allocator]: with glibc's default malloc, the whole-batch step here spends much
@@ -254,6 +285,7 @@ def main():
             out["mem_per_rank_mb"] = [round(v, 1) for v in per_rank]
             out["mem_single_mb"] = round(one, 1)
             out["mem_ratio"] = round(max(per_rank) / one, 3)
+            out["request_overhead_ms"] = [v for v in pipes[0]["request_overhead_ms"] if v is not None]
     simple = pipelined(args.steps, "simple")
     out["peak_act_mb_simple"] = [round(v, 1) for v in simple["peak_act_mb"]]
     # pp=2 x dp=2 with ddp: the dp reduction overlapping the pipeline's backward (Note

@@ -117,6 +117,7 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         self._tied = None           # placement.TiedParameters (partitions > 1)
         self._arm_reducer = False   # Note [Pipeline overlap]: arm at the first backward
         self._arm_lock = threading.Lock()
+        self._pipeline_hold = None  # reducer indices of tied parameters (held to finalize)
         _join.Joinable.__init__(self)  # Join: self._join_config (smp/join.py)
         core.state.model = self
 

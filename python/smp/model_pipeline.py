@@ -124,6 +124,7 @@ class PipelineMixin:
             if not self._arm_reducer:
                 return
             self._arm_reducer = False
-            params = self._reduced_params()
-            hold = [i for i, p in enumerate(params) if self._tied.holds(p)]
-            self._reducer.prepare_for_pipeline_backward(1.0, hold)
+            if self._pipeline_hold is None:  # the reducer's parameters never change
+                self._pipeline_hold = [i for i, p in enumerate(self._reduced_params())
+                                       if self._tied.holds(p)]
+            self._reducer.prepare_for_pipeline_backward(1.0, self._pipeline_hold)

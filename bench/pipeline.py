@@ -159,11 +159,14 @@ def run_pipeline(steps, overlap=True):
 def request_overhead(net, model, s0, s1, steps):
     """Per request served on this rank: (time the compute token was held per step - the
     same modules' forward + backward of the step's microbatches run alone here) /
-    requests per step. None on the driver (it runs the step body, not requests)."""
+    requests per step. None on the driver (it runs the step body, not requests).
+
+    Every rank runs its own modules' work at the same time (after a barrier), so the
+    reference pays the same contention for the two cores and the memory system as the
+    pipeline's compute did; measured alone on an idle machine it would be ~10-25%
+    faster and that machine effect would be counted as smp's overhead."""
     import torch
     import smp
-    if smp.pp_rank() == 0:
-        return None
     mine = {id(m) for m in model.local_modules()}
     seq = torch.nn.Sequential(*[m for m in net if id(m) in mine])
     xs = torch.randn(BATCH // M, WIDTH)
@@ -174,10 +177,14 @@ def request_overhead(net, model, s0, s1, steps):
             out = seq(inp)
             out.backward(torch.ones_like(out))
     work()
+    smp.barrier()
     t = time.perf_counter()
     for _ in range(steps):
         work()
     alone = (time.perf_counter() - t) / steps * 1e3
+    smp.barrier()
+    if smp.pp_rank() == 0:
+        return None
     held = (s1.token_held_s - s0.token_held_s) / steps * 1e3
     requests = (s1.messages_received - s0.messages_received) / steps - 1  # not STEP_END
     return round((held - alone) / requests, 3)

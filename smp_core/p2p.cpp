@@ -288,6 +288,7 @@ void P2PEngine::set_payload_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
 
 int P2PEngine::rank() const { return impl_->rank; }
 int P2PEngine::size() const { return impl_->size; }
+double P2PEngine::timeout_s() const { return impl_->timeout_s; }
 
 void P2PEngine::send(int dst, const Message& msg) {
   SMP_CHECK(dst >= 0 && dst < impl_->size, "p2p: destination ", dst, " outside pp group of ",

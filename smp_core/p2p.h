@@ -87,6 +87,7 @@ class P2PEngine {
 
   int rank() const;
   int size() const;
+  double timeout_s() const;  // the bound of every wait
 
   // Note [Payload transports]: the header, the meta bytes and (by default) the tensors
   // of a message travel on the TCP mesh. With a payload group (the same ranks as this

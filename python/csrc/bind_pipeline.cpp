@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "smp_core/dispatch.h"
 #include "smp_core/errors.h"
 #include "smp_core/p2p.h"
 #include "smp_core/scheduler.h"
@@ -14,6 +15,39 @@
 namespace py = pybind11;
 
 namespace smp::python {
+namespace {
+
+// A Python callable kept by C++ threads: copies share it without the GIL; the last one
+// drops it with the GIL held.
+using SharedFn = std::shared_ptr<py::function>;
+SharedFn share(py::function f) {
+  return SharedFn(new py::function(std::move(f)), [](py::function* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
+
+// Calls `f` holding the GIL and converts its result to R (void: drops it) before letting
+// go of the GIL. A Python exception becomes a C++ one (it may be rethrown on another
+// thread, where a pending Python error would be meaningless).
+template <typename R, typename... Args>
+R call_python(const SharedFn& f, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object out = (*f)(std::forward<Args>(args)...);
+    if constexpr (!std::is_void_v<R>) {
+      if (!py::isinstance<R>(out))
+        throw std::runtime_error("smp: " + std::string(py::str(py::repr(*f))) + " returned " +
+                                 std::string(py::str(py::repr(out))) + ", not a " +
+                                 std::string(py::str(py::type::of<R>().attr("__name__"))));
+      return out.cast<R>();
+    }
+  } catch (py::error_already_set& e) {
+    throw std::runtime_error(e.what());
+  }
+}
+
+}  // namespace
 
 void bind_pipeline(py::module_& m) {
   using release = py::call_guard<py::gil_scoped_release>;
@@ -118,6 +152,36 @@ void bind_pipeline(py::module_& m) {
       .def("set_payload_group", &P2PEngine::set_payload_group, py::arg("group"),
            py::arg("transport"), py::arg("device") = "cpu")
       .def("stats", &P2PEngine::stats);
+  // Serving and dispatch (smp_core/dispatch.h). `handler(msg) -> Message` runs a request;
+  // `spawn(fn)` runs the no-argument callable fn on a (persistent) Python thread.
+  py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
+      .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
+                       py::function handler, py::function spawn) {
+             auto h = share(std::move(handler));
+             auto sp = share(std::move(spawn));
+             return std::make_shared<Dispatcher>(
+                 std::move(p2p), schedule,
+                 [h](const Message& msg) { return call_python<Message>(h, msg); },
+                 [sp](std::function<void()> body) {
+                   py::gil_scoped_acquire gil;
+                   call_python<void>(sp, py::cpp_function([body = std::move(body)] {
+                     py::gil_scoped_release nogil;
+                     body();
+                   }));
+                 });
+           }),
+           py::arg("p2p"), py::arg("schedule"), py::arg("handler"), py::arg("spawn"))
+      .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"), release())
+      .def("drive", [](Dispatcher& d, py::function run) {
+             auto fn = share(std::move(run));
+             py::gil_scoped_release nogil;
+             d.drive([fn](int64_t mb) { call_python<void>(fn, mb); });
+           }, py::arg("run"))
+      .def("serve_step", &Dispatcher::serve_step, release())
+      .def("wait", &Dispatcher::wait, py::arg("mb"), py::arg("call_id"), py::arg("kind"),
+           py::arg("backward"), py::arg("what"), release())
+      .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())
+      .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release());
 }
 
 }  // namespace smp::python

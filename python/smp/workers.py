@@ -43,13 +43,13 @@ class Workers:
                              name=f"{self.name}{len(self.inboxes) - 1}").start()
         inbox.put(fn)
 
-    def run(self, fns):
-        """Runs each callable on its own thread; returns when all of them, and all that
-        they spawned, have returned."""
-        for fn in fns:
-            self.spawn(fn)
+    def wait_idle(self, timeout):
+        """Waits until every submitted callable has returned to this pool's Python loop
+        (a thread still in C++ when the interpreter exits would abort it)."""
         with self.cond:
-            self.cond.wait_for(lambda: self.pending == 0)
+            if not self.cond.wait_for(lambda: self.pending == 0, timeout=timeout):
+                raise RuntimeError(f"smp: timed out after {timeout} s waiting for the "
+                                   f"pipeline's task threads to finish ({self.pending} busy)")
 
     def stop(self):
         for inbox in self.inboxes:

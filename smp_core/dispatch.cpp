@@ -1,0 +1,312 @@
+#include "smp_core/dispatch.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <set>
+
+#include "smp_core/errors.h"
+
+namespace smp {
+namespace {
+
+constexpr uint32_t bit(int32_t kind) { return uint32_t{1} << kind; }
+constexpr uint32_t kServeMask = bit(kRequest) | bit(kBackwardRequest) | bit(kAbort);
+
+bool is_request(const Message& m) { return m.kind == kRequest || m.kind == kBackwardRequest; }
+
+Phase phase_of(const Message& m) {
+  return m.kind == kBackwardRequest ? Phase::kBackward : Phase::kForward;
+}
+
+}  // namespace
+
+struct Dispatcher::Impl {
+  std::shared_ptr<P2PEngine> p2p;
+  Schedule schedule;
+  Handler handler;
+  Spawn spawn;
+  RecvOrder order;
+  std::chrono::milliseconds timeout;
+
+  std::mutex mu;  // guards everything below
+  std::condition_variable cv;
+  // Serving (Note [Serving]).
+  bool free = true;   // nobody leads: the next idle serving thread takes the lead
+  bool over = false;  // the step ended or failed: serving threads stop
+  int idle = 0;       // serving threads waiting for the lead
+  int active = 0;     // threads started by this step and not yet returned
+  std::exception_ptr error;  // what stopped a thread first
+  Message end;               // the step's kStepEnd or kAbort, as a serving thread got it
+  // The step.
+  int64_t microbatches = 1;
+  std::atomic<int64_t> next_mb{0};  // driver: the next microbatch to start
+  std::set<int64_t> forwards_done;  // "simple"
+
+  Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp)
+      : p2p(std::move(p)), schedule(std::move(s)), handler(std::move(h)), spawn(std::move(sp)),
+        order(schedule.forwards_before_backwards() ? RecvOrder::kForwardFirst
+                                                   : RecvOrder::kBackwardFirst),
+        timeout(static_cast<int64_t>(p2p->timeout_s() * 1000)) {}
+
+  // The serving thread that leads, per thread (a thread leads at most one dispatcher).
+  static thread_local Impl* leading;
+
+  // Runs `body` on a new thread of the step; `active` counts it until it returns.
+  void start(std::function<void()> body) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++active;
+    }
+    try {
+      spawn([this, body = std::move(body)] {
+        try {
+          body();
+        } catch (...) {
+          fail(std::current_exception());
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        --active;
+        cv.notify_all();
+      });
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      --active;
+      throw;
+    }
+  }
+
+  void fail(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!error) error = e;
+    over = true;
+    cv.notify_all();
+  }
+
+  void end_serving() {
+    std::lock_guard<std::mutex> lock(mu);
+    over = true;
+    cv.notify_all();
+  }
+
+  // Waits until every thread of the step has returned. Each one's own waits are
+  // bounded (a serving thread's by the timeout; the driver's tasks by theirs), so this
+  // one is too.
+  void join() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return active == 0; });
+  }
+
+  // Runs `msg` with the token held (the caller holds it) and sends the answer.
+  void run_held(const Message& msg) {
+    Message answer = handler(msg);
+    answer.mb = msg.mb;
+    answer.call_id = msg.call_id;
+    p2p->send(msg.src, answer);
+  }
+
+  // The leader: takes the token at `msg`'s priority, runs it, gives the token back.
+  void run(const Message& msg) {
+    p2p->acquire_token(schedule.priority(msg.mb, phase_of(msg)));
+    struct Release {
+      P2PEngine& p;
+      ~Release() { p.release_token(); }
+    } release{*p2p};
+    run_held(msg);
+  }
+
+  // Body of a serving thread (Note [Serving]).
+  void serve_loop() {
+    struct NotLeading {
+      Impl* me;
+      ~NotLeading() {
+        if (leading == me) leading = nullptr;
+      }
+    } not_leading{this};
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        ++idle;
+        // Bounded: the leader's receive ends the step on a timeout (sets `over`); the
+        // deadline only guards against a bug leaving every thread idle.
+        bool got = cv.wait_for(lock, timeout * 2, [&] { return free || over; });
+        --idle;
+        if (over) return;
+        if (!got)
+          throw TimeoutError(str_cat("smp: timed out after ", 2 * timeout.count() / 1000.0,
+                                     " s waiting for the serving lead (pp rank ", p2p->rank(),
+                                     ")"));
+        free = false;
+      }
+      leading = this;
+      while (leading == this) {
+        Message msg = p2p->recv(kAny, kAny, kServeMask | bit(kStepEnd),
+                                "work from the pipeline driver (pp rank 0)", false, 0, order);
+        if (!is_request(msg)) {  // the step's end or abort: serve_step returns it
+          std::lock_guard<std::mutex> lock(mu);
+          if (end.kind == 0) end = std::move(msg);
+          over = true;
+          cv.notify_all();
+          return;
+        }
+        run(msg);
+      }
+    }
+  }
+
+  // A leader about to wait hands the lead on (Note [Serving]).
+  void resign() {
+    if (leading != this) return;
+    leading = nullptr;
+    bool need_thread;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      free = true;
+      need_thread = idle == 0 && !over;
+      cv.notify_all();
+    }
+    if (need_thread) start([this] { serve_loop(); });  // every serving thread waits on a nested call
+  }
+
+  void rethrow_error() {
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      e = error;
+      error = nullptr;
+    }
+    if (e) std::rethrow_exception(e);
+  }
+};
+
+thread_local Dispatcher::Impl* Dispatcher::Impl::leading = nullptr;
+
+Dispatcher::Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handler handler,
+                       Spawn spawn)
+    : impl_(std::make_unique<Impl>(std::move(p2p), std::move(schedule), std::move(handler),
+                                   std::move(spawn))) {}
+
+Dispatcher::~Dispatcher() = default;
+
+const Schedule& Dispatcher::schedule() const { return impl_->schedule; }
+
+void Dispatcher::begin_step(int64_t microbatches) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->microbatches = microbatches;
+  impl_->next_mb = 0;
+  impl_->forwards_done.clear();
+  impl_->free = true;
+  impl_->over = false;
+  impl_->idle = 0;
+  impl_->error = nullptr;
+  impl_->end = Message();
+}
+
+void Dispatcher::drive(MicrobatchFn run) {
+  auto& I = *impl_;
+  const int64_t n = I.microbatches;
+  auto worker = [&I, n, run] {
+    while (true) {
+      // Claim the next microbatch while holding the token, so microbatches start in
+      // order (the priority asked for is that of the one next when it was asked).
+      I.p2p->acquire_token(I.schedule.priority(I.next_mb.load(), Phase::kForward));
+      const int64_t mb = I.next_mb.fetch_add(1);
+      if (mb >= n) {
+        I.p2p->release_token();
+        return;
+      }
+      struct Done {
+        Dispatcher::Impl& I;
+        int64_t mb;
+        ~Done() {
+          I.p2p->release_token();
+          std::lock_guard<std::mutex> lock(I.mu);  // a failed or eval microbatch must not block
+          I.forwards_done.insert(mb);
+          I.cv.notify_all();
+        }
+      } done{I, mb};
+      run(mb);
+    }
+  };
+  const int64_t threads = std::min<int64_t>(I.schedule.window(), n);
+  std::exception_ptr start_error;
+  for (int64_t i = 0; i < threads && !start_error; ++i) {
+    try {
+      I.start(worker);
+    } catch (...) {
+      start_error = std::current_exception();
+      I.next_mb = n;  // the started ones finish what is left of theirs, no more
+    }
+  }
+  I.join();
+  if (start_error) std::rethrow_exception(start_error);
+  I.rethrow_error();
+}
+
+Message Dispatcher::serve_step() {
+  auto& I = *impl_;
+  // The serving threads receive the step's end themselves (it is sticky: every
+  // waiter sees it), so a thread that fails ends the step at once, not at a timeout.
+  try {
+    I.start([&I] { I.serve_loop(); });  // one leads,
+    I.start([&I] { I.serve_loop(); });  // one stands by
+  } catch (...) {
+    I.end_serving();
+    I.join();
+    throw;
+  }
+  I.join();
+  std::lock_guard<std::mutex> lock(I.mu);
+  if (I.end.kind != kAbort && I.error) std::rethrow_exception(I.error);
+  SMP_CHECK(I.end.kind != 0, "serving stopped without the step's end");
+  return std::move(I.end);
+}
+
+Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backward,
+                         const std::string& what) {
+  auto& I = *impl_;
+  I.resign();
+  const uint32_t mask = bit(kind) | bit(kError) | kServeMask;
+  const int64_t priority = I.schedule.priority(mb, backward ? Phase::kBackward : Phase::kForward);
+  while (true) {
+    Message msg = I.p2p->recv(mb, kAny, mask, what, /*yield_token=*/true, priority);
+    if (is_request(msg)) {  // a nested call back into this rank: run it here
+      I.run_held(msg);
+      continue;
+    }
+    if (msg.kind == kAbort) return msg;
+    if (msg.call_id != call_id)
+      throw CommError(str_cat("smp: pipeline protocol error: got a message of kind ", msg.kind,
+                              " for call ", msg.call_id, " while waiting for call ", call_id,
+                              " (", what, ")"));
+    return msg;
+  }
+}
+
+void Dispatcher::forward_finished(int64_t mb) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->forwards_done.insert(mb);
+  impl_->cv.notify_all();
+}
+
+void Dispatcher::wait_all_forwards(int64_t mb) {
+  auto& I = *impl_;
+  if (!I.schedule.forwards_before_backwards()) return;
+  I.p2p->release_token();
+  bool done;
+  {
+    std::unique_lock<std::mutex> lock(I.mu);
+    done = I.cv.wait_for(lock, I.timeout, [&] {
+      return static_cast<int64_t>(I.forwards_done.size()) >= I.microbatches;
+    });
+  }
+  I.p2p->acquire_token(I.schedule.priority(mb, Phase::kBackward));
+  if (!done)
+    throw TimeoutError(str_cat("smp: timed out after ", I.timeout.count() / 1000.0,
+                               " s waiting for every microbatch's forward ('simple' pipeline) "
+                               "before backward (pp rank ", I.p2p->rank(), ")"));
+}
+
+}  // namespace smp

@@ -1,0 +1,92 @@
+// Serving and request dispatch of the pipeline: which thread runs which piece of a
+// step's work, when, and holding what. Python only runs a module's forward or backward
+// (or, on the driver, the step body of one microbatch) when a Dispatcher asks it to.
+//
+// Note [Serving]: a rank other than the driver serves the requests of every microbatch
+// with ONE thread at a time, the leader. The leader takes the next request in the
+// schedule's order (Note [Receive order] in p2p.h), acquires the compute token at the
+// request's priority, runs it through the handler and sends the answer. Running every
+// microbatch on a thread of its own instead costs a thread switch per request and cold
+// per-thread state. Only when the request being run makes a nested remote call and
+// must wait (wait() on a leader thread) does the leader hand the lead to an idle
+// serving thread, starting one if there is none; so other microbatches keep being
+// served while it waits. Every waiting task, leader or not, runs the requests of its
+// own microbatch that arrive meanwhile (a nested call back into this rank).
+//
+// The driver (pp rank 0) runs the step body once per microbatch, at most
+// schedule.window() microbatches in flight, each started in microbatch order with the
+// token held at its forward priority (drive()).
+//
+// Threads: the Dispatcher does not create threads. It asks `spawn` to run a body on a
+// thread of the caller's; the Python bindings hand the body to persistent Python
+// threads, so a handler runs on a thread whose interpreter state is warm.
+//
+// Thread-safety: every method is thread-safe. Methods block; call them without the
+// Python GIL (the bindings release it).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "smp_core/p2p.h"
+#include "smp_core/scheduler.h"
+
+namespace smp {
+
+class Dispatcher {
+ public:
+  // Runs a request (kRequest or kBackwardRequest) and returns the answer: kind
+  // kResponse, kBackwardResponse or kError, with its meta and tensors (microbatch and
+  // call id are filled in from the request). Called with the compute token held. An
+  // error of the module belongs in a kError answer: a throwing handler ends the step
+  // on this rank.
+  using Handler = std::function<Message(const Message&)>;
+  // Runs `body` on another thread, soon; must not wait for it.
+  using Spawn = std::function<void(std::function<void()>)>;
+  // Driver: runs microbatch `mb`'s step body (token held). Reports its own errors.
+  using MicrobatchFn = std::function<void(int64_t mb)>;
+
+  Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handler handler, Spawn spawn);
+  ~Dispatcher();
+
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  const Schedule& schedule() const;
+
+  // Starts a step of `microbatches` microbatches ("simple": no forward has finished).
+  void begin_step(int64_t microbatches);
+
+  // Driver: runs `run` for microbatches 0 .. microbatches-1 (begin_step's count) on
+  // at most schedule().window() threads, in microbatch order; returns when every one
+  // has returned. Rethrows the first exception a `run` let escape.
+  void drive(MicrobatchFn run);
+
+  // Any other rank: serves the step's requests (Note [Serving]) until the driver ends
+  // or aborts the step, and returns that kStepEnd or kAbort message once every serving
+  // thread has stopped. Throws TimeoutError if the driver goes silent for the timeout,
+  // or the error that stopped a serving thread.
+  Message serve_step();
+
+  // A task waiting for the answer (`kind`) of its call `call_id` of microbatch `mb`.
+  // Gives up the lead (a serving leader) and the compute token while waiting, runs
+  // requests of `mb` that arrive meanwhile, and re-acquires the token at `mb`'s
+  // forward or `backward` priority. Returns the answer, a kError answer or the step's
+  // kAbort (the caller raises those). Throws TimeoutError naming `what`.
+  Message wait(int64_t mb, int64_t call_id, int32_t kind, bool backward, const std::string& what);
+
+  // "simple" (GPipe): every microbatch's forward finishes before any backward starts.
+  // A finished (or failed) microbatch's forward is reported by forward_finished();
+  // wait_all_forwards() gives up the token until every forward of the step finished,
+  // then takes it back at `mb`'s backward priority. A no-op under "interleaved".
+  void forward_finished(int64_t mb);
+  void wait_all_forwards(int64_t mb);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace smp

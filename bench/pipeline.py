@@ -12,7 +12,13 @@ ranks. On a CPU BLAS, 32-row GEMMs are less efficient than 256-row ones, so that
 exceeds the whole-batch step; `ceiling` = gpipe_bound * single_ms / single_mb_ms *
 parallel efficiency is the speedup a perfect GPipe schedule could reach here, and
 `pipeline_efficiency` = (single_mb_ms / smp_ms) / gpipe_bound is how close smp gets to
-it. Timed steps run without instrumentation; peak activation memory is measured in
+it. `pipeline_efficiency_ceiling` is the same figure for the best step this machine
+allows: each rank's own forward + backward work, timed while the other rank runs its
+own at the same time (the two ranks compete for the two cores' caches and memory),
+plus the fill and drain; no schedule and no dispatch can beat it. Per request served:
+`request_dispatch_ms` is the compute-token time that is not the module's own forward
+or backward (smp's cost), `request_overhead_ms` the token time beyond the reference
+work. Timed steps run without instrumentation; peak activation memory is measured in
 separate steps with saved-tensor hooks.
 
     PYTHONPATH=build/python /usr/bin/python3 bench/pipeline.py [--rounds 3] [--steps 8]
@@ -136,6 +142,7 @@ def run_pipeline(steps, overlap=True):
         opt.step()
         opt.zero_grad()
     s0 = model._engine.p2p.stats()
+    c0 = model._engine.compute_s
     start = time.perf_counter()
     for _ in range(steps):
         train(x, y)
@@ -143,7 +150,12 @@ def run_pipeline(steps, overlap=True):
         opt.zero_grad()
     ms = (time.perf_counter() - start) / steps * 1e3
     s1 = model._engine.p2p.stats()
-    overhead = request_overhead(net, model, s0, s1, steps)
+    c1 = model._engine.compute_s
+    overhead, work = request_overhead(net, model, s0, s1, steps)
+    requests = (s1.messages_received - s0.messages_received) / steps - 1  # not STEP_END
+    held = (s1.token_held_s - s0.token_held_s) / steps * 1e3
+    own = (c1 - c0) / steps * 1e3
+    dispatch = round((held - own) / requests, 3) if smp.pp_rank() else None
     tracker = ActivationTracker(list(model.local_parameters()))
     pipeline.Engine.task_context = tracker.context
     train(x, y)
@@ -151,15 +163,20 @@ def run_pipeline(steps, overlap=True):
     params = smp.allgather(sum(p.numel() * p.element_size()
                                for p in model.local_parameters()) / 2**20)
     overheads = smp.allgather(overhead)
+    dispatches = smp.allgather(dispatch)
+    works = smp.allgather(work)
     if smp.rank() == 0:
         print("RESULT " + json.dumps({"ms": ms, "loss0": first, "peak_act_mb": peaks,
-                                      "param_mb": params, "request_overhead_ms": overheads}))
+                                      "param_mb": params, "request_overhead_ms": overheads,
+                                      "request_dispatch_ms": dispatches,
+                                      "work_ms": works}))
 
 
 def request_overhead(net, model, s0, s1, steps):
     """Per request served on this rank: (time the compute token was held per step - the
     same modules' forward + backward of the step's microbatches run alone here) /
-    requests per step. None on the driver (it runs the step body, not requests).
+    requests per step. None on the driver (it runs the step body, not requests). Also
+    returns that reference time (ms per step) of this rank.
 
     Every rank runs its own modules' work at the same time (after a barrier), so the
     reference pays the same contention for the two cores and the memory system as the
@@ -184,10 +201,10 @@ def request_overhead(net, model, s0, s1, steps):
     alone = (time.perf_counter() - t) / steps * 1e3
     smp.barrier()
     if smp.pp_rank() == 0:
-        return None
+        return None, alone
     held = (s1.token_held_s - s0.token_held_s) / steps * 1e3
     requests = (s1.messages_received - s0.messages_received) / steps - 1  # not STEP_END
-    return round((held - alone) / requests, 3)
+    return round((held - alone) / requests, 3), alone
 
 
 # Note [Allocator]: with glibc's default malloc, the whole-batch step here spends much
@@ -272,6 +289,12 @@ def main():
         single_mb_ms = statistics.median(s["ms"] for s in singles_mb)
         smp_ms = statistics.median(p["ms"] for p in pipes)
         efficiency = parallel_efficiency(args.steps, malloc)
+        # What this machine allows a perfect schedule with no overhead at all: each
+        # rank's forward + backward of the step's microbatches, timed with the other
+        # rank doing the same at once (work_ms), bounds the step below by the slowest
+        # rank's work plus the fill and drain (one microbatch of stage 0's work).
+        works = [statistics.median(p["work_ms"][r] for p in pipes) for r in range(S)]
+        best_ms = max(works) + works[0] / M
         sfx = "" if mode == "default" else "_" + mode + "_malloc"
         out.update({
             "smp_ms" + sfx: round(smp_ms, 1), "single_ms" + sfx: round(single_ms, 1),
@@ -279,6 +302,8 @@ def main():
             "single_mb_ms" + sfx: round(single_mb_ms, 1),
             "ceiling" + sfx: round(gpipe * single_ms / single_mb_ms * efficiency, 3),
             "pipeline_efficiency" + sfx: round(single_mb_ms / smp_ms / gpipe, 3),
+            "pipeline_efficiency_ceiling" + sfx: round(single_mb_ms / best_ms / gpipe, 3),
+            "rank_work_ms" + sfx: [round(w, 1) for w in works],
             "machine_parallel_efficiency" + sfx: round(efficiency, 3)})
         if mode == "default":
             out["ratio"] = round(smp_ms / single_ms, 3)
@@ -292,7 +317,14 @@ def main():
             out["mem_per_rank_mb"] = [round(v, 1) for v in per_rank]
             out["mem_single_mb"] = round(one, 1)
             out["mem_ratio"] = round(max(per_rank) / one, 3)
-            out["request_overhead_ms"] = [v for v in pipes[0]["request_overhead_ms"] if v is not None]
+            # Per request served, two ways: token time minus the modules' own forward and
+            # backward measured in the same requests (smp's dispatch cost), and token
+            # time minus the same work run outside the pipeline (adds the contention of
+            # two busy ranks; see request_overhead).
+            out["request_dispatch_ms"] = [v for p in pipes for v in p["request_dispatch_ms"]
+                                          if v is not None]
+            out["request_overhead_ms"] = [v for p in pipes for v in p["request_overhead_ms"]
+                                          if v is not None]
     simple = pipelined(args.steps, "simple")
     out["peak_act_mb_simple"] = [round(v, 1) for v in simple["peak_act_mb"]]
     # pp=2 x dp=2 with ddp: the dp reduction overlapping the pipeline's backward (Note

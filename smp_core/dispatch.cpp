@@ -44,6 +44,7 @@ struct Dispatcher::Impl {
   int64_t microbatches = 1;
   std::atomic<int64_t> next_mb{0};  // driver: the next microbatch to start
   std::set<int64_t> forwards_done;  // "simple"
+  Stats stats;
 
   Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp)
       : p2p(std::move(p)), schedule(std::move(s)), handler(std::move(h)), spawn(std::move(sp)),
@@ -101,10 +102,17 @@ struct Dispatcher::Impl {
 
   // Runs `msg` with the token held (the caller holds it) and sends the answer.
   void run_held(const Message& msg) {
+    auto t0 = std::chrono::steady_clock::now();
     Message answer = handler(msg);
     answer.mb = msg.mb;
     answer.call_id = msg.call_id;
+    auto t1 = std::chrono::steady_clock::now();
     p2p->send(msg.src, answer);
+    auto t2 = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(mu);
+    stats.requests++;
+    stats.handler_s += std::chrono::duration<double>(t1 - t0).count();
+    stats.send_s += std::chrono::duration<double>(t2 - t1).count();
   }
 
   // The leader: takes the token at `msg`'s priority, runs it, gives the token back.
@@ -283,6 +291,11 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
                               " (", what, ")"));
     return msg;
   }
+}
+
+Dispatcher::Stats Dispatcher::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->stats;
 }
 
 void Dispatcher::forward_finished(int64_t mb) {

@@ -84,6 +84,15 @@ class Dispatcher {
   void forward_finished(int64_t mb);
   void wait_all_forwards(int64_t mb);
 
+  // Where a served request's time goes (the compute token is held throughout; compare
+  // P2PEngine::Stats::token_held_s).
+  struct Stats {
+    int64_t requests = 0;  // requests run by this rank
+    double handler_s = 0;  // inside the handler (Python: the module's work and its glue)
+    double send_s = 0;     // sending the answers
+  };
+  Stats stats() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

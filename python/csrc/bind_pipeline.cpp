@@ -154,6 +154,10 @@ void bind_pipeline(py::module_& m) {
       .def("stats", &P2PEngine::stats);
   // Serving and dispatch (smp_core/dispatch.h). `handler(msg) -> Message` runs a request;
   // `spawn(fn)` runs the no-argument callable fn on a (persistent) Python thread.
+  py::class_<Dispatcher::Stats>(m, "DispatchStats")
+      .def_readonly("requests", &Dispatcher::Stats::requests)
+      .def_readonly("handler_s", &Dispatcher::Stats::handler_s)
+      .def_readonly("send_s", &Dispatcher::Stats::send_s);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
                        py::function handler, py::function spawn) {
@@ -181,7 +185,8 @@ void bind_pipeline(py::module_& m) {
       .def("wait", &Dispatcher::wait, py::arg("mb"), py::arg("call_id"), py::arg("kind"),
            py::arg("backward"), py::arg("what"), release())
       .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())
-      .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release());
+      .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release())
+      .def("stats", &Dispatcher::stats);
 }
 
 }  // namespace smp::python

@@ -12,9 +12,6 @@ __all__ = []
 
 
 class PipelineMixin:
-    def _set_microbatch(self, mb):
-        core.state.microbatch = mb
-
     def _trace(self, fn, mb_inputs):
         """Runs the first microbatch through the whole model, recording the trace.
 

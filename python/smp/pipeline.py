@@ -29,13 +29,14 @@ import os
 import pickle
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from smp import _C, core, placement
 from smp.nested import flatten, unflatten
-from smp.remote_call import Call, RemoteCall, anchor
+from smp.remote_call import Call, RemoteCall, anchor, decode
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
 from smp.workers import Workers
@@ -70,6 +71,9 @@ class Engine:
         self.counters = {}     # mb -> next call id
         self.lock = threading.Lock()
         self.epoch = 0
+        # Seconds this rank spent in served modules' own forward and backward (the rest
+        # of the compute-token time is smp's per-request overhead; bench/pipeline.py).
+        self.compute_s = 0.0
         self.workers = Workers("smp-task")
         # The one source of order: token priorities, receive order, the driver's window
         # and the "simple" barrier all come from the C++ schedule (smp_core/scheduler.h),
@@ -165,14 +169,16 @@ class Engine:
         key = (msg.src, msg.mb, msg.call_id)
         try:
             if msg.kind == K.REQUEST:
-                name, skeleton, requires_grad, grad, flags = pickle.loads(msg.meta)
+                name, skeleton, requires_grad, grad, flags = decode(msg.meta)
                 placement.apply_mode_flags(self.subtrees[name], flags)
                 with timeline.span(f"fwd {name}", mb=msg.mb):
                     inputs = [t.requires_grad_() if rg and grad else t
                               for t, rg in zip(msg.tensors, requires_grad)]
                     args, kwargs = unflatten(skeleton, inputs)
+                    t = time.perf_counter()
                     with torch.set_grad_enabled(grad):
                         out = self.owned[name](*args, **kwargs)
+                    self.compute_s += time.perf_counter() - t
                     outs = []
                     out_skeleton = flatten(out, outs)
                     if grad:
@@ -180,14 +186,16 @@ class Engine:
                     meta = pickle.dumps((out_skeleton, [t.requires_grad for t in outs]))
                     return _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
                                       [t.detach() for t in outs])
-            present = pickle.loads(msg.meta)
+            present = decode(msg.meta)
             inputs, outs = self.records.pop(key)
             self.model.begin_pipeline_backward()
             grads = iter(msg.tensors)
             pairs = [(o, next(grads)) for o, p in zip(outs, present) if p]
             with timeline.span("bwd", mb=msg.mb):
                 if pairs:
+                    t = time.perf_counter()
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    self.compute_s += time.perf_counter() - t
                 in_grads = [t.grad if t.requires_grad else None for t in inputs]
                 meta = pickle.dumps([g is not None for g in in_grads])
                 return _C.Message(msg.mb, msg.call_id, K.BACKWARD_RESPONSE, meta,
@@ -228,8 +236,7 @@ class Engine:
         results, errors = [None] * len(mb_inputs), []
 
         def run(mb):
-            _task.mb, _task.backward = mb, False
-            self.model._set_microbatch(mb)
+            _task.mb, _task.backward = mb, False  # per thread: no shared "current microbatch"
             try:
                 with timeline.span("microbatch", mb=mb), self._task_context():
                     results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])

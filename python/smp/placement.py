@@ -116,6 +116,8 @@ def mode_flags(modules):
 
 
 def apply_mode_flags(modules, flags):
+    if mode_flags(modules) == flags:  # the usual case: nothing switched since last call
+        return
     for m, f in zip(modules, flags):
         m.training = bool(f)
 

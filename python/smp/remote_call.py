@@ -7,6 +7,7 @@ import pickle
 import torch
 
 from smp import _C
+from smp.nested import TensorSlot
 from smp.task import current as _task
 from smp.timeline import timeline
 
@@ -16,6 +17,33 @@ K = _C.MsgKind
 
 
 _ANCHOR = None
+_DECODED = {}
+
+
+_SCALARS = (int, float, complex, bool, str, bytes, type(None), TensorSlot, torch.dtype,
+            torch.device)
+
+
+def _shareable(value):
+    """Whether every leaf of `value` is an immutable scalar (containers are rebuilt by
+    unflatten; any other object could be changed in place by the module it is passed to)."""
+    if isinstance(value, (list, tuple)):
+        return all(_shareable(v) for v in value)
+    if isinstance(value, dict):
+        return all(_shareable(k) and _shareable(v) for k, v in value.items())
+    return isinstance(value, _SCALARS)
+
+
+def decode(meta):
+    """pickle.loads of a message's metadata, cached: a call's metadata (module name,
+    argument structure, flags) repeats every microbatch and every step. Only values made
+    of immutable scalars are cached (a fresh object each time otherwise)."""
+    value = _DECODED.get(meta)
+    if value is None:
+        value = pickle.loads(meta)
+        if len(_DECODED) < 4096 and _shareable(value):
+            _DECODED[meta] = value
+    return value
 
 
 def anchor():
@@ -47,7 +75,7 @@ class Call:
             msg = e.wait(self.mb, self.call_id, K.RESPONSE,
                          f"the output of '{self.name}' (microbatch {self.mb}, call "
                          f"{self.call_id}) from pp rank {self.owner}")
-        self.out_skeleton, self.out_requires_grad = pickle.loads(msg.meta)
+        self.out_skeleton, self.out_requires_grad = decode(msg.meta)
         return msg.tensors
 
     def backward(self, grads):
@@ -60,7 +88,7 @@ class Call:
             msg = e.wait(self.mb, self.call_id, K.BACKWARD_RESPONSE,
                          f"the input gradients of '{self.name}' (microbatch {self.mb}, call "
                          f"{self.call_id}) from pp rank {self.owner}")
-        flags = pickle.loads(msg.meta)
+        flags = decode(msg.meta)
         got = iter(msg.tensors)
         return [next(got) if f else None for f in flags]
 

@@ -28,6 +28,7 @@ struct Dispatcher::Impl {
   Schedule schedule;
   Handler handler;
   Spawn spawn;
+  ErrorEncoder encode_error;
   RecvOrder order;
   std::chrono::milliseconds timeout;
 
@@ -46,8 +47,9 @@ struct Dispatcher::Impl {
   std::set<int64_t> forwards_done;  // "simple"
   Stats stats;
 
-  Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp)
+  Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp, ErrorEncoder e)
       : p2p(std::move(p)), schedule(std::move(s)), handler(std::move(h)), spawn(std::move(sp)),
+        encode_error(std::move(e)),
         order(schedule.forwards_before_backwards() ? RecvOrder::kForwardFirst
                                                    : RecvOrder::kBackwardFirst),
         timeout(static_cast<int64_t>(p2p->timeout_s() * 1000)) {}
@@ -103,7 +105,13 @@ struct Dispatcher::Impl {
   // Runs `msg` with the token held (the caller holds it) and sends the answer.
   void run_held(const Message& msg) {
     auto t0 = std::chrono::steady_clock::now();
-    Message answer = handler(msg);
+    Message answer;
+    try {
+      answer = handler(msg);
+    } catch (const std::exception& e) {
+      answer_error(msg, e.what());
+      throw;
+    }
     answer.mb = msg.mb;
     answer.call_id = msg.call_id;
     auto t1 = std::chrono::steady_clock::now();
@@ -113,6 +121,26 @@ struct Dispatcher::Impl {
     stats.requests++;
     stats.handler_s += std::chrono::duration<double>(t1 - t0).count();
     stats.send_s += std::chrono::duration<double>(t2 - t1).count();
+  }
+
+  // Tells the caller of `msg` that running it failed (best effort: it may be gone).
+  void answer_error(const Message& msg, const std::string& what) noexcept {
+    try {
+      Message err;
+      err.mb = msg.mb;
+      err.call_id = msg.call_id;
+      err.kind = kError;
+      const std::string text =
+          str_cat("smp: pp rank ", p2p->rank(), " could not run a request: ", what);
+      err.meta = encode_error ? encode_error(text) : text;
+      p2p->send(msg.src, err);
+    } catch (...) {
+    }
+  }
+
+  bool over_now() {
+    std::lock_guard<std::mutex> lock(mu);
+    return over;
   }
 
   // The leader: takes the token at `msg`'s priority, runs it, gives the token back.
@@ -137,19 +165,17 @@ struct Dispatcher::Impl {
       {
         std::unique_lock<std::mutex> lock(mu);
         ++idle;
-        // Bounded: the leader's receive ends the step on a timeout (sets `over`); the
-        // deadline only guards against a bug leaving every thread idle.
-        bool got = cv.wait_for(lock, timeout * 2, [&] { return free || over; });
+        // No deadline of its own: a step may rightly take longer than the timeout while
+        // one thread leads. Bounded all the same: a leader's receive is bounded and every
+        // way out of it sets `over` (the step's end or abort, an error via fail()), and a
+        // leader that must wait frees the lead (resign).
+        cv.wait(lock, [&] { return free || over; });
         --idle;
         if (over) return;
-        if (!got)
-          throw TimeoutError(str_cat("smp: timed out after ", 2 * timeout.count() / 1000.0,
-                                     " s waiting for the serving lead (pp rank ", p2p->rank(),
-                                     ")"));
         free = false;
       }
       leading = this;
-      while (leading == this) {
+      while (leading == this && !over_now()) {
         Message msg = p2p->recv(kAny, kAny, kServeMask | bit(kStepEnd),
                                 "work from the pipeline driver (pp rank 0)", false, 0, order);
         if (!is_request(msg)) {  // the step's end or abort: serve_step returns it
@@ -192,9 +218,9 @@ struct Dispatcher::Impl {
 thread_local Dispatcher::Impl* Dispatcher::Impl::leading = nullptr;
 
 Dispatcher::Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handler handler,
-                       Spawn spawn)
+                       Spawn spawn, ErrorEncoder encode_error)
     : impl_(std::make_unique<Impl>(std::move(p2p), std::move(schedule), std::move(handler),
-                                   std::move(spawn))) {}
+                                   std::move(spawn), std::move(encode_error))) {}
 
 Dispatcher::~Dispatcher() = default;
 
@@ -267,7 +293,7 @@ Message Dispatcher::serve_step() {
   }
   I.join();
   std::lock_guard<std::mutex> lock(I.mu);
-  if (I.end.kind != kAbort && I.error) std::rethrow_exception(I.error);
+  if (I.error) std::rethrow_exception(I.error);  // this rank's own failure: the cause
   SMP_CHECK(I.end.kind != 0, "serving stopped without the step's end");
   return std::move(I.end);
 }

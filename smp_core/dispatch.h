@@ -40,15 +40,19 @@ class Dispatcher {
   // Runs a request (kRequest or kBackwardRequest) and returns the answer: kind
   // kResponse, kBackwardResponse or kError, with its meta and tensors (microbatch and
   // call id are filled in from the request). Called with the compute token held. An
-  // error of the module belongs in a kError answer: a throwing handler ends the step
-  // on this rank.
+  // error of the module belongs in a kError answer; a handler that throws anyway gets
+  // its caller a kError answer (encode_error) and ends the step on this rank.
   using Handler = std::function<Message(const Message&)>;
   // Runs `body` on another thread, soon; must not wait for it.
   using Spawn = std::function<void(std::function<void()>)>;
   // Driver: runs microbatch `mb`'s step body (token held). Reports its own errors.
   using MicrobatchFn = std::function<void(int64_t mb)>;
+  // The meta of a kError answer carrying `what` (a handler that threw): the caller
+  // raises it. Default: the text itself.
+  using ErrorEncoder = std::function<std::string(const std::string& what)>;
 
-  Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handler handler, Spawn spawn);
+  Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handler handler, Spawn spawn,
+             ErrorEncoder encode_error = nullptr);
   ~Dispatcher();
 
   Dispatcher(const Dispatcher&) = delete;

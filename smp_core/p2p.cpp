@@ -72,6 +72,7 @@ struct P2PEngine::Impl {
 
   // Compute token.
   bool token_held = false;
+  std::thread::id token_owner;  // the thread holding the token
   std::chrono::steady_clock::time_point token_since;
   struct TokenWaiter {
     int64_t priority;
@@ -213,10 +214,18 @@ struct P2PEngine::Impl {
     me.cv.wait(lock, [&] { return !token_held && best_token_waiter() == &me; });
     token_waiters.erase(std::find(token_waiters.begin(), token_waiters.end(), &me));
     token_held = true;
+    token_owner = std::this_thread::get_id();
     token_since = std::chrono::steady_clock::now();
   }
 
+  bool holds_token_locked() const {
+    return token_held && token_owner == std::this_thread::get_id();
+  }
+
+  // Only the holder gives the token back: a task whose wait failed (and so did not
+  // take the token back) must not release another task's token on its way out.
   void release_locked() {
+    if (!holds_token_locked()) return;
     token_held = false;
     stats.token_held_s +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - token_since).count();
@@ -386,7 +395,7 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
   };
   auto it = find();
   if (it == I.mailbox.end()) {
-    if (yield_token && I.token_held) {
+    if (yield_token && I.holds_token_locked()) {
       I.release_locked();
     } else {
       yield_token = false;  // not holding it: nothing to give back

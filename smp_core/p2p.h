@@ -108,11 +108,11 @@ class P2PEngine {
   // (kAny: any) and a kind in `kind_mask` (bit 1 << kind) is in the mailbox, removes
   // and returns it. Step-level kinds (kStepEnd, kAbort) match any `mb`; an abort is
   // returned to every waiter, and so is the step's end (they stay until the next
-  // begin_step()). With
-  // `yield_token`, the caller's compute token is released while waiting and
-  // re-acquired with `priority` before returning. `order` picks among several matching
-  // messages. Throws TimeoutError naming `what`, or CommError if a peer's connection
-  // broke or its engine closed.
+  // begin_step()). With `yield_token`, the caller's compute token (if this thread
+  // holds it) is released while waiting and re-acquired with `priority` before
+  // returning; a recv that throws returns without it. `order` picks among several
+  // matching messages. Throws TimeoutError naming `what`, or CommError if a peer's
+  // connection broke or its engine closed.
   Message recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const std::string& what,
                bool yield_token = false, int64_t priority = 0,
                RecvOrder order = RecvOrder::kArrival);
@@ -121,6 +121,8 @@ class P2PEngine {
   // the token is free and no waiting task has a smaller priority value (ties: first
   // come). Priorities encode the schedule (interleaved: backward work before new
   // forwards, earlier microbatches first).
+  // release_token() gives the token back if the calling thread holds it, else does
+  // nothing (a task whose yielding recv() failed does not hold it).
   void acquire_token(int64_t priority);
   void release_token();
 

@@ -36,11 +36,13 @@ R call_python(const SharedFn& f, Args&&... args) {
   try {
     py::object out = (*f)(std::forward<Args>(args)...);
     if constexpr (!std::is_void_v<R>) {
-      if (!py::isinstance<R>(out))
+      try {
+        return out.cast<R>();
+      } catch (const py::builtin_exception&) {  // cast_error, reference_cast_error (None)
         throw std::runtime_error("smp: " + std::string(py::str(py::repr(*f))) + " returned " +
                                  std::string(py::str(py::repr(out))) + ", not a " +
-                                 std::string(py::str(py::type::of<R>().attr("__name__"))));
-      return out.cast<R>();
+                                 py::type_id<R>());
+      }
     }
   } catch (py::error_already_set& e) {
     throw std::runtime_error(e.what());
@@ -160,9 +162,16 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("send_s", &Dispatcher::Stats::send_s);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
-                       py::function handler, py::function spawn) {
+                       py::function handler, py::function spawn, py::object encode_error) {
              auto h = share(std::move(handler));
              auto sp = share(std::move(spawn));
+             Dispatcher::ErrorEncoder enc;
+             if (!encode_error.is_none()) {
+               auto e = share(encode_error.cast<py::function>());
+               enc = [e](const std::string& what) {
+                 return call_python<std::string>(e, py::str(what));
+               };
+             }
              return std::make_shared<Dispatcher>(
                  std::move(p2p), schedule,
                  [h](const Message& msg) { return call_python<Message>(h, msg); },
@@ -172,9 +181,11 @@ void bind_pipeline(py::module_& m) {
                      py::gil_scoped_release nogil;
                      body();
                    }));
-                 });
+                 },
+                 std::move(enc));
            }),
-           py::arg("p2p"), py::arg("schedule"), py::arg("handler"), py::arg("spawn"))
+           py::arg("p2p"), py::arg("schedule"), py::arg("handler"), py::arg("spawn"),
+           py::arg("encode_error") = py::none())
       .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"), release())
       .def("drive", [](Dispatcher& d, py::function run) {
              auto fn = share(std::move(run));

@@ -48,6 +48,11 @@ K = _C.MsgKind
 _CALL_ID_STRIDE = 1 << 40
 
 
+def _encode_error(text):
+    """The ERROR payload for a failure the C++ dispatcher met outside the handler."""
+    return error_payload(RuntimeError(text))
+
+
 class Engine:
     """Per-process pipeline state: transport, owned modules, recorded calls."""
 
@@ -81,7 +86,7 @@ class Engine:
         self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, core.pp_size(),
                                     self.cfg.active_microbatches)
         self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self._handle,
-                                      self.workers.spawn)
+                                      self.workers.spawn, _encode_error)
 
     def _set_payload_transport(self, pp_ranks):
         """Note [Payload transports] in smp_core/p2p.h: with config 'p2p_transport'
@@ -154,12 +159,15 @@ class Engine:
 
     def _handle(self, msg):
         """The dispatcher's handler: runs one request with the token held (on whichever
-        thread the dispatcher chose) and returns the answer it sends."""
+        thread the dispatcher chose) and returns the answer it sends; whatever goes wrong
+        becomes an ERROR answer, so the caller raises it."""
         prev = _task.mb, _task.backward
         _task.mb, _task.backward = msg.mb, msg.kind == K.BACKWARD_REQUEST
         try:
             with self._task_context():
                 return self.serve(msg)
+        except BaseException as exc:
+            return _C.Message(msg.mb, msg.call_id, K.ERROR, error_payload(exc), [])
         finally:
             _task.mb, _task.backward = prev
 

@@ -26,6 +26,7 @@ class Workers:
             try:
                 fn()
             finally:
+                fn = None  # drop the job (and what it holds) now, not at the next one
                 with self.cond:
                     self.pending -= 1
                     self.idle.append(inbox)
@@ -38,9 +39,14 @@ class Workers:
             inbox = self.idle.pop() if self.idle else None
         if inbox is None:
             inbox = queue.SimpleQueue()
+            try:
+                threading.Thread(target=self._loop, args=(inbox,), daemon=True,
+                                 name=f"{self.name}{len(self.inboxes)}").start()
+            except BaseException:
+                with self.cond:
+                    self.pending -= 1
+                raise
             self.inboxes.append(inbox)
-            threading.Thread(target=self._loop, args=(inbox,), daemon=True,
-                             name=f"{self.name}{len(self.inboxes) - 1}").start()
         inbox.put(fn)
 
     def wait_idle(self, timeout):

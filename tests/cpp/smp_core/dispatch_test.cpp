@@ -190,27 +190,23 @@ TEST(Dispatch, WaitingTaskRunsItsOwnMicrobatchRequests) {
   });
 }
 
-// A serving thread that fails ends the step on that rank at once, not at the timeout
-// (the serving rank's engine waits 60 s), and the caller's wait fails naming what it
-// waited for: the serving rank closed its engine, or else the caller's 2 s timeout.
-TEST(Dispatch, FailingHandlerEndsServingAndTheCallerIsToldNamingTheWait) {
+// A handler that throws ends the step on its rank at once (not at the timeout: both
+// engines wait 60 s) and gets its caller an ERROR answer naming the failure.
+TEST(Dispatch, FailingHandlerEndsServingAndAnswersTheCallerWithAnError) {
   run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 2, r == 0 ? 2 : 60);
+    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 2, 60);
     Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 1, 2),
                  [](const Message&) -> Message { throw std::runtime_error("handler broke"); },
                  spawn_thread);
     d.begin_step(1);
     if (r == 0) {
-      try {
-        d.drive([&](int64_t mb) {
-          p2p->send(1, make(mb, 1, kRequest, {at::ones({1})}));
-          d.wait(mb, 1, kResponse, false, "the output of 'layer' from pp rank 1");
-        });
-        ADD_FAILURE() << "no error";
-      } catch (const CommError& e) {
-        EXPECT_NE(std::string(e.what()).find("the output of 'layer' from pp rank 1"),
-                  std::string::npos);
-      }
+      d.drive([&](int64_t mb) {
+        p2p->send(1, make(mb, 1, kRequest, {at::ones({1})}));
+        Message m = d.wait(mb, 1, kResponse, false, "the output of 'layer' from pp rank 1");
+        EXPECT_EQ(m.kind, kError);
+        EXPECT_NE(m.meta.find("pp rank 1 could not run a request: handler broke"),
+                  std::string::npos) << m.meta;
+      });
     } else {
       try {
         d.serve_step();
@@ -220,6 +216,30 @@ TEST(Dispatch, FailingHandlerEndsServingAndTheCallerIsToldNamingTheWait) {
       } catch (const std::runtime_error& e) {
         EXPECT_EQ(std::string(e.what()), "handler broke");
       }
+    }
+  });
+}
+
+// A step longer than twice the timeout, with one thread leading all along (no nested
+// call), is fine: only waits for messages are bounded, each by the timeout (1 s here).
+TEST(Dispatch, LongStepWithOneLeaderIsNotATimeout) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 2, 1);
+    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 6, 2, 1),
+                 [](const Message& req) {
+                   std::this_thread::sleep_for(std::chrono::milliseconds(400));
+                   return answer_of(req);
+                 },
+                 spawn_thread);
+    d.begin_step(6);
+    if (r == 0) {
+      d.drive([&](int64_t mb) {
+        p2p->send(1, make(mb, mb, kRequest, {at::ones({1})}));
+        EXPECT_EQ(d.wait(mb, mb, kResponse, false, "answer").kind, kResponse);
+      });
+      p2p->send(1, make(-1, 0, kStepEnd));
+    } else {
+      EXPECT_EQ(d.serve_step().kind, kStepEnd);  // 2.4 s of serving, timeout 1 s
     }
   });
 }

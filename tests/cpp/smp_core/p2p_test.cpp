@@ -194,6 +194,37 @@ TEST(P2P, RecvYieldsTheTokenWhileWaiting) {
   });
 }
 
+// A task whose yielding recv failed does not hold the token; its release on the way
+// out must not hand another task's token to a third.
+TEST(P2P, FailedYieldingRecvLeavesTheHoldersTokenAlone) {
+  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 1, 1);  // waits time out after 1 s
+    std::atomic<bool> b_holds{false}, b_done{false};
+    eng.acquire_token(0);
+    std::thread b([&] {
+      eng.acquire_token(1);  // gets it while A waits
+      b_holds = true;
+      while (!b_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      eng.release_token();
+    });
+    EXPECT_THROW(eng.recv(0, 1, bit(kResponse), "nothing", /*yield_token=*/true, 0), TimeoutError);
+    ASSERT_TRUE(b_holds);
+    eng.release_token();  // A's guard on its way out: A does not hold the token
+    std::atomic<bool> c_got{false};
+    std::thread c([&] {
+      eng.acquire_token(2);
+      c_got = true;
+      eng.release_token();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_FALSE(c_got);  // B still holds it
+    b_done = true;
+    b.join();
+    c.join();
+    EXPECT_TRUE(c_got);
+  });
+}
+
 // A peer that goes away is reported to every waiter at once, naming it: no timeout.
 TEST(P2P, PeerThatLeavesIsReportedNotAwaited) {
   run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from smp import _C, core, placement
 from smp.nested import flatten, unflatten
-from smp.remote_call import Call, RemoteCall, anchor, decode
+from smp.remote_call import (Call, RemoteCall, anchor, decode, encode_outputs, encode_present,
+                              request_plan)
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
 from smp.workers import Workers
@@ -177,21 +178,23 @@ class Engine:
         key = (msg.src, msg.mb, msg.call_id)
         try:
             if msg.kind == K.REQUEST:
-                name, skeleton, requires_grad, grad, flags = decode(msg.meta)
+                name, skeleton, requires_grad, grad, flags, positional = request_plan(msg.meta)
                 placement.apply_mode_flags(self.subtrees[name], flags)
                 with timeline.span(f"fwd {name}", mb=msg.mb):
                     inputs = [t.requires_grad_() if rg and grad else t
                               for t, rg in zip(msg.tensors, requires_grad)]
-                    args, kwargs = unflatten(skeleton, inputs)
+                    if positional:
+                        args, kwargs = inputs, {}
+                    else:
+                        args, kwargs = unflatten(skeleton, inputs)
                     t = time.perf_counter()
                     with torch.set_grad_enabled(grad):
                         out = self.owned[name](*args, **kwargs)
                     self.compute_s += time.perf_counter() - t
                     outs = []
-                    out_skeleton = flatten(out, outs)
+                    meta = encode_outputs(out, outs)
                     if grad:
                         self.records[key] = (inputs, outs)
-                    meta = pickle.dumps((out_skeleton, [t.requires_grad for t in outs]))
                     return _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
                                       [t.detach() for t in outs])
             present = decode(msg.meta)
@@ -205,7 +208,7 @@ class Engine:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     self.compute_s += time.perf_counter() - t
                 in_grads = [t.grad if t.requires_grad else None for t in inputs]
-                meta = pickle.dumps([g is not None for g in in_grads])
+                meta = encode_present(tuple(g is not None for g in in_grads))
                 return _C.Message(msg.mb, msg.call_id, K.BACKWARD_RESPONSE, meta,
                                   [g for g in in_grads if g is not None])
         except Exception as exc:  # answer the caller; it re-raises with our traceback

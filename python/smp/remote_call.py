@@ -7,7 +7,7 @@ import pickle
 import torch
 
 from smp import _C
-from smp.nested import TensorSlot
+from smp.nested import TensorSlot, flatten
 from smp.task import current as _task
 from smp.timeline import timeline
 
@@ -32,6 +32,46 @@ def _shareable(value):
     if isinstance(value, dict):
         return all(_shareable(k) and _shareable(v) for k, v in value.items())
     return isinstance(value, _SCALARS)
+
+
+def request_plan(meta):
+    """A REQUEST's decoded metadata (module name, argument skeleton, which inputs
+    require grad, grad mode, mode flags) and whether the arguments are just the tensors,
+    positionally (then the owner calls the module with them as they are), cached."""
+    plan = _PLANS.get(meta)
+    if plan is None:
+        name, skeleton, requires_grad, grad, flags = decode(meta)
+        args, kwargs = skeleton
+        positional = not kwargs and type(args) is tuple and all(
+            type(a) is TensorSlot and a.index == i for i, a in enumerate(args))
+        plan = (name, skeleton, requires_grad, grad, flags, positional)
+        if meta in _DECODED and len(_PLANS) < 4096:
+            _PLANS[meta] = plan
+    return plan
+
+
+_PLANS = {}
+_ONE_TENSOR = {rg: pickle.dumps((TensorSlot(0), [rg])) for rg in (False, True)}
+_PRESENT = {}
+
+
+def encode_outputs(out, outs):
+    """The RESPONSE metadata for module output `out`; appends its tensors to `outs`."""
+    if isinstance(out, torch.Tensor):  # the usual case: one tensor
+        outs.append(out)
+        return _ONE_TENSOR[out.requires_grad]
+    skeleton = flatten(out, outs)
+    return pickle.dumps((skeleton, [t.requires_grad for t in outs]))
+
+
+def encode_present(present):
+    """Metadata of which gradients a BACKWARD message carries (a tuple of bools)."""
+    meta = _PRESENT.get(present)
+    if meta is None:
+        meta = pickle.dumps(list(present))
+        if len(_PRESENT) < 4096:
+            _PRESENT[present] = meta
+    return meta
 
 
 def decode(meta):
@@ -84,7 +124,7 @@ class Call:
         sent = [g.contiguous() for g, p in zip(grads, present) if p]
         with timeline.span(f"call bwd {self.name}", mb=self.mb):
             e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.BACKWARD_REQUEST,
-                                              pickle.dumps(present), sent))
+                                              encode_present(tuple(present)), sent))
             msg = e.wait(self.mb, self.call_id, K.BACKWARD_RESPONSE,
                          f"the input gradients of '{self.name}' (microbatch {self.mb}, call "
                          f"{self.call_id}) from pp rank {self.owner}")

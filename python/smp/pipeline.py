@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from smp import _C, core, placement
-from smp.nested import flatten, unflatten
+from smp.nested import TensorSlot, unflatten
 from smp.remote_call import (Call, RemoteCall, anchor, decode, encode_outputs, encode_present,
-                              request_plan)
+                              encode_request, request_plan)
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
 from smp.workers import Workers
@@ -142,18 +142,19 @@ class Engine:
         if mb is None:
             raise RuntimeError(f"smp: module '{name}' lives on pp rank {owner}; call the "
                                "model inside an @smp.step function")
-        tensors = []
-        skeleton = flatten((args, kwargs), tensors)
         grad = torch.is_grad_enabled()
-        flags = placement.mode_flags(self.subtrees[name])
-        call = Call(self, name, owner, mb, self._next_call_id(mb), skeleton, tensors, grad,
-                     flags)
+        tensors = []
+        meta = encode_request(name, args, kwargs, tensors, grad,
+                              placement.mode_flags(self.subtrees[name]))
+        call = Call(self, name, owner, mb, self._next_call_id(mb), meta)
         if grad:
             outs = RemoteCall.apply(call, anchor(), *tensors)
             if not isinstance(outs, tuple):
                 outs = (outs,)
         else:
             outs = call.forward(tensors)
+        if type(call.out_skeleton) is TensorSlot:  # one tensor returned
+            return outs[call.out_skeleton.index]
         return unflatten(call.out_skeleton, list(outs))
 
     # --- owner side -------------------------------------------------------------------

@@ -55,6 +55,27 @@ _ONE_TENSOR = {rg: pickle.dumps((TensorSlot(0), [rg])) for rg in (False, True)}
 _PRESENT = {}
 
 
+_REQUESTS = {}
+
+
+def encode_request(name, args, kwargs, tensors, grad, flags):
+    """The REQUEST metadata of calling module `name` with (args, kwargs); appends the
+    tensors to `tensors`. Tensors passed positionally (the usual case) need no skeleton
+    pickled per call: their metadata is cached."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        tensors.extend(args)
+        key = (name, tuple(t.requires_grad for t in args), grad, flags)
+        meta = _REQUESTS.get(key)
+        if meta is None:
+            skeleton = (tuple(TensorSlot(i) for i in range(len(args))), {})
+            meta = pickle.dumps((name, skeleton, list(key[1]), grad, flags))
+            if len(_REQUESTS) < 4096:
+                _REQUESTS[key] = meta
+        return meta
+    skeleton = flatten((args, kwargs), tensors)
+    return pickle.dumps((name, skeleton, [t.requires_grad for t in tensors], grad, flags))
+
+
 def encode_outputs(out, outs):
     """The RESPONSE metadata for module output `out`; appends its tensors to `outs`."""
     if isinstance(out, torch.Tensor):  # the usual case: one tensor
@@ -98,17 +119,15 @@ def anchor():
 class Call:
     """One remote call: its identity and the owner's answer."""
 
-    def __init__(self, engine, name, owner, mb, call_id, skeleton, tensors, grad, flags):
+    def __init__(self, engine, name, owner, mb, call_id, meta):
         self.engine, self.name, self.owner, self.mb, self.call_id = engine, name, owner, mb, call_id
-        self.skeleton, self.grad, self.flags = skeleton, grad, flags
-        self.requires_grad = [t.requires_grad for t in tensors]
+        self.meta = meta  # encode_request's
         self.out_skeleton = None
         self.out_requires_grad = []
 
     def forward(self, tensors):
         e = self.engine
-        meta = pickle.dumps((self.name, self.skeleton, self.requires_grad, self.grad,
-                             self.flags))
+        meta = self.meta
         with timeline.span(f"call {self.name}", mb=self.mb):
             e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.REQUEST, meta,
                                               [t.detach() for t in tensors]))

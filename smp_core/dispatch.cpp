@@ -299,13 +299,14 @@ Message Dispatcher::serve_step() {
 }
 
 Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backward,
-                         const std::string& what) {
+                         const std::string& what, bool for_holder) {
   auto& I = *impl_;
   I.resign();
   const uint32_t mask = bit(kind) | bit(kError) | kServeMask;
   const int64_t priority = I.schedule.priority(mb, backward ? Phase::kBackward : Phase::kForward);
   while (true) {
-    Message msg = I.p2p->recv(mb, kAny, mask, what, /*yield_token=*/true, priority);
+    Message msg = I.p2p->recv(mb, kAny, mask, what, /*yield_token=*/true, priority,
+                              RecvOrder::kArrival, for_holder);
     if (is_request(msg)) {  // a nested call back into this rank: run it here
       I.run_held(msg);
       continue;

@@ -78,8 +78,11 @@ class Dispatcher {
   // Gives up the lead (a serving leader) and the compute token while waiting, runs
   // requests of `mb` that arrive meanwhile, and re-acquires the token at `mb`'s
   // forward or `backward` priority. Returns the answer, a kError answer or the step's
-  // kAbort (the caller raises those). Throws TimeoutError naming `what`.
-  Message wait(int64_t mb, int64_t call_id, int32_t kind, bool backward, const std::string& what);
+  // kAbort (the caller raises those). Throws TimeoutError naming `what`. `for_holder`:
+  // the calling thread is not a task but works for the token's holder (autograd's
+  // device thread); it yields and retakes the holder's token (P2PEngine::recv).
+  Message wait(int64_t mb, int64_t call_id, int32_t kind, bool backward, const std::string& what,
+               bool for_holder = false);
 
   // "simple" (GPipe): every microbatch's forward finishes before any backward starts.
   // A finished (or failed) microbatch's forward is reported by forward_finished();

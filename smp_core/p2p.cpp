@@ -361,7 +361,7 @@ void P2PEngine::send(int dst, const Message& msg) {
 }
 
 Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const std::string& what,
-                        bool yield_token, int64_t priority, RecvOrder order) {
+                        bool yield_token, int64_t priority, RecvOrder order, bool for_holder) {
   auto& I = *impl_;
   std::unique_lock<std::mutex> lock(I.mu);
   auto start = std::chrono::steady_clock::now();
@@ -395,7 +395,10 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
   };
   auto it = find();
   if (it == I.mailbox.end()) {
-    if (yield_token && I.holds_token_locked()) {
+    std::thread::id holder;
+    if (yield_token && (I.holds_token_locked() || (for_holder && I.token_held))) {
+      holder = I.token_owner;
+      I.token_owner = std::this_thread::get_id();  // released by this thread, for the holder
       I.release_locked();
     } else {
       yield_token = false;  // not holding it: nothing to give back
@@ -415,7 +418,10 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
     }
     Message m = take(it);
     I.stats.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (yield_token) I.acquire_locked(lock, priority);
+    if (yield_token) {
+      I.acquire_locked(lock, priority);
+      I.token_owner = holder;  // back to whoever held it
+    }
     return m;
   }
   return take(it);

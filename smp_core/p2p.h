@@ -110,12 +110,15 @@ class P2PEngine {
   // returned to every waiter, and so is the step's end (they stay until the next
   // begin_step()). With `yield_token`, the caller's compute token (if this thread
   // holds it) is released while waiting and re-acquired with `priority` before
-  // returning; a recv that throws returns without it. `order` picks among several
-  // matching messages. Throws TimeoutError naming `what`, or CommError if a peer's
-  // connection broke or its engine closed.
+  // returning; a recv that throws returns without it. With `for_holder` as well, a
+  // thread working for the token's holder (autograd's device thread running a node of
+  // the task's backward while the task waits for it) yields the holder's token and
+  // takes it back for the holder. `order` picks among several matching messages.
+  // Throws TimeoutError naming `what`, or CommError if a peer's connection broke or its
+  // engine closed.
   Message recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const std::string& what,
                bool yield_token = false, int64_t priority = 0,
-               RecvOrder order = RecvOrder::kArrival);
+               RecvOrder order = RecvOrder::kArrival, bool for_holder = false);
 
   // Note [Compute token]: one task at a time computes on a rank. acquire() blocks until
   // the token is free and no waiting task has a smaller priority value (ties: first

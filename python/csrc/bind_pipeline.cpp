@@ -147,7 +147,7 @@ void bind_pipeline(py::module_& m) {
       .def("send", &P2PEngine::send, release())
       .def("recv", &P2PEngine::recv, py::arg("mb"), py::arg("call_id"), py::arg("kind_mask"),
            py::arg("what"), py::arg("yield_token") = false, py::arg("priority") = 0,
-           py::arg("order") = RecvOrder::kArrival, release())
+           py::arg("order") = RecvOrder::kArrival, py::arg("for_holder") = false, release())
       .def("acquire_token", &P2PEngine::acquire_token, release())
       .def("release_token", &P2PEngine::release_token, release())
       .def("begin_step", &P2PEngine::begin_step, py::arg("epoch"))
@@ -194,7 +194,7 @@ void bind_pipeline(py::module_& m) {
            }, py::arg("run"))
       .def("serve_step", &Dispatcher::serve_step, release())
       .def("wait", &Dispatcher::wait, py::arg("mb"), py::arg("call_id"), py::arg("kind"),
-           py::arg("backward"), py::arg("what"), release())
+           py::arg("backward"), py::arg("what"), py::arg("for_holder") = false, release())
       .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())
       .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release())
       .def("stats", &Dispatcher::stats);

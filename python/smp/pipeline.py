@@ -131,7 +131,11 @@ class Engine:
     def wait(self, mb, call_id, kind, what):
         """Waits for the answer to `call_id`; the dispatcher runs requests of `mb` that
         arrive meanwhile (nested calls back into this rank)."""
-        msg = self.dispatch.wait(mb, call_id, int(kind), bool(_task.backward), what)
+        # A thread that is no task (autograd's device thread running a remote call's
+        # backward for the task that waits on it) yields the task's token.
+        foreign = _task.mb is None
+        msg = self.dispatch.wait(mb, call_id, int(kind), bool(_task.backward) or foreign, what,
+                                 foreign)
         if msg.kind == K.ERROR or msg.kind == K.ABORT:
             raise_remote(msg.meta)
         return msg

@@ -225,6 +225,40 @@ TEST(P2P, FailedYieldingRecvLeavesTheHoldersTokenAlone) {
   });
 }
 
+// Autograd's device thread running a remote call's backward works for the task that
+// holds the token and waits on it: its wait yields that token (another task computes
+// meanwhile) and takes it back for the holder, who releases it afterwards.
+TEST(P2P, ThreadWorkingForTheHolderYieldsAndReturnsTheToken) {
+  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 1, 10);
+    eng.acquire_token(0);  // the task
+    std::atomic<bool> other_ran{false};
+    std::thread device([&] {  // autograd's device thread, for the task
+      Message m = eng.recv(0, 1, bit(kResponse), "the remote backward", /*yield_token=*/true,
+                           0, RecvOrder::kArrival, /*for_holder=*/true);
+      EXPECT_EQ(m.meta, "grads");
+    });
+    std::thread other([&] {  // another task: runs only while the token is yielded
+      eng.acquire_token(5);
+      other_ran = true;
+      eng.send(0, make(0, 1, kResponse, "grads"));
+      eng.release_token();
+    });
+    device.join();  // the task waits for its backward
+    other.join();
+    EXPECT_TRUE(other_ran);
+    eng.release_token();  // the task's: it holds the token again
+    std::atomic<bool> next{false};
+    std::thread after([&] {
+      eng.acquire_token(1);
+      next = true;
+      eng.release_token();
+    });
+    after.join();  // would block for good if the token were stuck with the device thread
+    EXPECT_TRUE(next);
+  });
+}
+
 // A peer that goes away is reported to every waiter at once, naming it: no timeout.
 TEST(P2P, PeerThatLeavesIsReportedNotAwaited) {
   run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {

@@ -151,11 +151,16 @@ def run_pipeline(steps, overlap=True):
     ms = (time.perf_counter() - start) / steps * 1e3
     s1 = model._engine.p2p.stats()
     c1 = model._engine.compute_s
-    overhead, work = request_overhead(net, model, s0, s1, steps)
-    requests = (s1.messages_received - s0.messages_received) / steps - 1  # not STEP_END
-    held = (s1.token_held_s - s0.token_held_s) / steps * 1e3
-    own = (c1 - c0) / steps * 1e3
-    dispatch = round((held - own) / requests, 3) if smp.pp_rank() else None
+    work = reference_work_ms(net, model, steps)
+    # Per request served on a stage rank (the driver runs the step body, not requests):
+    # the compute-token time per step beyond the modules' own forward and backward in
+    # those requests (dispatch), and beyond the reference work (overhead).
+    overhead = dispatch = None
+    if smp.pp_rank():
+        requests = (s1.messages_received - s0.messages_received) / steps - 1  # not STEP_END
+        held = (s1.token_held_s - s0.token_held_s) / steps * 1e3
+        dispatch = round((held - (c1 - c0) / steps * 1e3) / requests, 3)
+        overhead = round((held - work) / requests, 3)
     tracker = ActivationTracker(list(model.local_parameters()))
     pipeline.Engine.task_context = tracker.context
     train(x, y)
@@ -172,11 +177,9 @@ def run_pipeline(steps, overlap=True):
                                       "work_ms": works}))
 
 
-def request_overhead(net, model, s0, s1, steps):
-    """Per request served on this rank: (time the compute token was held per step - the
-    same modules' forward + backward of the step's microbatches run alone here) /
-    requests per step. None on the driver (it runs the step body, not requests). Also
-    returns that reference time (ms per step) of this rank.
+def reference_work_ms(net, model, steps):
+    """This rank's modules' forward + backward of a step's microbatches, run outside the
+    pipeline: ms per step.
 
     Every rank runs its own modules' work at the same time (after a barrier), so the
     reference pays the same contention for the two cores and the memory system as the
@@ -200,11 +203,7 @@ def request_overhead(net, model, s0, s1, steps):
         work()
     alone = (time.perf_counter() - t) / steps * 1e3
     smp.barrier()
-    if smp.pp_rank() == 0:
-        return None, alone
-    held = (s1.token_held_s - s0.token_held_s) / steps * 1e3
-    requests = (s1.messages_received - s0.messages_received) / steps - 1  # not STEP_END
-    return round((held - alone) / requests, 3), alone
+    return alone
 
 
 # Note [Allocator]: with glibc's default malloc, the whole-batch step here spends much
@@ -320,7 +319,7 @@ def main():
             # Per request served, two ways: token time minus the modules' own forward and
             # backward measured in the same requests (smp's dispatch cost), and token
             # time minus the same work run outside the pipeline (adds the contention of
-            # two busy ranks; see request_overhead).
+            # two busy ranks; see reference_work_ms).
             out["request_dispatch_ms"] = [v for p in pipes for v in p["request_dispatch_ms"]
                                           if v is not None]
             out["request_overhead_ms"] = [v for p in pipes for v in p["request_overhead_ms"]

@@ -86,10 +86,6 @@ void bind_pipeline(py::module_& m) {
            }, py::arg("mb"), py::arg("backward"))
       .def("window", &Schedule::window)
       .def("forwards_before_backwards", &Schedule::forwards_before_backwards)
-      .def("recv_order", [](const Schedule& s) {
-             return s.options().kind == ScheduleKind::kSimple ? RecvOrder::kForwardFirst
-                                                              : RecvOrder::kBackwardFirst;
-           })
       .def("plan", [](const Schedule& s, const std::vector<int64_t>& path) {
              std::vector<std::vector<std::tuple<int64_t, bool, int64_t>>> out;
              for (const auto& row : s.plan(path)) {

@@ -172,53 +172,51 @@ class Engine:
         try:
             with self._task_context():
                 return self.serve(msg)
-        except BaseException as exc:
+        except BaseException as exc:  # the caller re-raises it with our traceback
+            self.records.pop((msg.src, msg.mb, msg.call_id), None)
             return _C.Message(msg.mb, msg.call_id, K.ERROR, error_payload(exc), [])
         finally:
             _task.mb, _task.backward = prev
 
     def serve(self, msg):
         """Runs one request on this rank (forward or backward of a recorded call) and
-        returns the answer (microbatch and call id are the request's)."""
+        returns the answer (microbatch and call id are the request's). Errors propagate:
+        `_handle` answers them."""
         key = (msg.src, msg.mb, msg.call_id)
-        try:
-            if msg.kind == K.REQUEST:
-                name, skeleton, requires_grad, grad, flags, positional = request_plan(msg.meta)
-                placement.apply_mode_flags(self.subtrees[name], flags)
-                with timeline.span(f"fwd {name}", mb=msg.mb):
-                    inputs = [t.requires_grad_() if rg and grad else t
-                              for t, rg in zip(msg.tensors, requires_grad)]
-                    if positional:
-                        args, kwargs = inputs, {}
-                    else:
-                        args, kwargs = unflatten(skeleton, inputs)
-                    t = time.perf_counter()
-                    with torch.set_grad_enabled(grad):
-                        out = self.owned[name](*args, **kwargs)
-                    self.compute_s += time.perf_counter() - t
-                    outs = []
-                    meta = encode_outputs(out, outs)
-                    if grad:
-                        self.records[key] = (inputs, outs)
-                    return _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
-                                      [t.detach() for t in outs])
-            present = decode(msg.meta)
-            inputs, outs = self.records.pop(key)
-            self.model.begin_pipeline_backward()
-            grads = iter(msg.tensors)
-            pairs = [(o, next(grads)) for o, p in zip(outs, present) if p]
-            with timeline.span("bwd", mb=msg.mb):
-                if pairs:
-                    t = time.perf_counter()
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                    self.compute_s += time.perf_counter() - t
-                in_grads = [t.grad if t.requires_grad else None for t in inputs]
-                meta = encode_present(tuple(g is not None for g in in_grads))
-                return _C.Message(msg.mb, msg.call_id, K.BACKWARD_RESPONSE, meta,
-                                  [g for g in in_grads if g is not None])
-        except Exception as exc:  # answer the caller; it re-raises with our traceback
-            self.records.pop(key, None)
-            return _C.Message(msg.mb, msg.call_id, K.ERROR, error_payload(exc), [])
+        if msg.kind == K.REQUEST:
+            name, skeleton, requires_grad, grad, flags, positional = request_plan(msg.meta)
+            placement.apply_mode_flags(self.subtrees[name], flags)
+            with timeline.span(f"fwd {name}", mb=msg.mb):
+                inputs = [t.requires_grad_() if rg and grad else t
+                          for t, rg in zip(msg.tensors, requires_grad)]
+                if positional:
+                    args, kwargs = inputs, {}
+                else:
+                    args, kwargs = unflatten(skeleton, inputs)
+                t = time.perf_counter()
+                with torch.set_grad_enabled(grad):
+                    out = self.owned[name](*args, **kwargs)
+                self.compute_s += time.perf_counter() - t
+                outs = []
+                meta = encode_outputs(out, outs)
+                if grad:
+                    self.records[key] = (inputs, outs)
+                return _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
+                                  [t.detach() for t in outs])
+        present = decode(msg.meta)
+        inputs, outs = self.records.pop(key)
+        self.model.begin_pipeline_backward()
+        grads = iter(msg.tensors)
+        pairs = [(o, next(grads)) for o, p in zip(outs, present) if p]
+        with timeline.span("bwd", mb=msg.mb):
+            if pairs:
+                t = time.perf_counter()
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                self.compute_s += time.perf_counter() - t
+            in_grads = [t.grad if t.requires_grad else None for t in inputs]
+            meta = encode_present(tuple(g is not None for g in in_grads))
+            return _C.Message(msg.mb, msg.call_id, K.BACKWARD_RESPONSE, meta,
+                              [g for g in in_grads if g is not None])
 
     # --- the step ---------------------------------------------------------------------
 

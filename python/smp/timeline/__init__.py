@@ -9,7 +9,6 @@ is unset, `span()` is a no-op context manager (no allocation on the hot path).
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 
@@ -84,8 +83,3 @@ def merge(out, paths):
     with open(out, "w") as f:
         json.dump(events, f)
 
-
-if __name__ == "__main__":
-    if len(sys.argv) < 3:
-        sys.exit("usage: python3 -m smp.timeline OUT.json RANK_FILE...")
-    merge(sys.argv[1], sys.argv[2:])

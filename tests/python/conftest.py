@@ -9,7 +9,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build"))
+BUILD = os.path.abspath(os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build")))
 PYTHON = os.environ.get("SMP_PYTHON", "/usr/bin/python3")
 sys.path.insert(0, os.path.join(BUILD, "python"))
 

@@ -9,4 +9,5 @@ void bind_pipeline(pybind11::module_& m);   // p2p engine of the pipeline
 void bind_reducer(pybind11::module_& m);    // gradient reducer, GradBucket, comm hooks
 void bind_checkpoint(pybind11::module_& m);  // checkpoint files (CheckpointError, Manifest)
 void bind_powersgd(pybind11::module_& m);    // PowerSGD hook state
+void bind_model(pybind11::module_& m);       // DistributedModel's checks (fingerprints)
 }  // namespace smp::python

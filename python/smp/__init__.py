@@ -13,6 +13,8 @@ from smp import model
 from smp.model import DistributedModel
 from smp.grad_norm import clip_grad_norm_
 from smp.agreement import ModelMismatchError
+from smp.grad_guard import UnreducedGradientError
+from smp.placement import TiedCopiesError
 from smp.optimizer import DistributedOptimizer
 from smp.partitioning import partition
 from smp.step import StepOutput, step
@@ -60,7 +62,7 @@ __all__ = [
     "barrier", "pp_barrier", "dp_barrier", "mp_barrier", "broadcast", "send",
     "recv_from", "allgather", "gather", "num_microbatches", "is_tracing", "amp",
     "DistributedModel", "DistributedOptimizer", "GradBucket", "ddp_comm_hooks", "StepOutput", "step", "partition", "model",
-    "clip_grad_norm_", "ModelMismatchError", "__version__", "CheckpointError", "save", "load", "save_checkpoint",
+    "clip_grad_norm_", "ModelMismatchError", "UnreducedGradientError", "TiedCopiesError", "__version__", "CheckpointError", "save", "load", "save_checkpoint",
     "resume_from_checkpoint",
 ]
 

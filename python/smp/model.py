@@ -16,7 +16,7 @@ import threading
 import torch
 
 from smp import _C, core
-from smp import agreement
+from smp import agreement, grad_guard
 from smp import join as _join
 from smp.model_pipeline import PipelineMixin
 from smp.model_state import ModelStateMixin
@@ -119,6 +119,9 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         self._arm_lock = threading.Lock()
         self._pipeline_hold = None  # reducer indices of tied parameters (held to finalize)
         _join.Joinable.__init__(self)  # Join: self._join_config (smp/join.py)
+        # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp raises.
+        self._grad_guard = (grad_guard.GradGuard(self, module.named_parameters())
+                            if self._dp_reduce else None)
         core.state.model = self
 
     # --- wrapper plumbing -------------------------------------------------------------
@@ -194,8 +197,7 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         finally:
             self._in_step = False
             self._stop_recording()
-        for hook in list(self._post_step_hooks.values()):
-            hook(self, core.state.optimizer)
+        self._run_post_step_hooks()
         return results
 
     def _partition(self, fn, mb_inputs, input_error=None):
@@ -295,7 +297,11 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                 self._make_reducer()
             self._reducer.prepare_for_backward(self._sync_backward, 1.0, tensors)
             self._synced_this_step |= self._sync_backward
-        torch.autograd.backward(tensors, grad_tensors)
+        if self._grad_guard is None:
+            torch.autograd.backward(tensors, grad_tensors)
+            return
+        with self._grad_guard.expect():
+            torch.autograd.backward(tensors, grad_tensors)
 
     # --- Join (uneven inputs; smp/join.py, docs/join.md) -------------------------------
 

@@ -77,6 +77,7 @@ class PipelineMixin:
             self._make_reducer()  # every dp rank, at the same step
         self._arm_reducer = reduce
         try:
+            self._tied.check_copies()  # Note [Tied copies] (placement.py)
             self._tied.begin_step()
             try:
                 results, backward = self._engine.run_step(fn, mb_inputs)
@@ -100,8 +101,7 @@ class PipelineMixin:
         finally:
             self._in_step = False
             self._arm_reducer = False
-        for hook in list(self._post_step_hooks.values()):
-            hook(self, core.state.optimizer)
+        self._run_post_step_hooks()
         return results
 
     def _shutdown(self):

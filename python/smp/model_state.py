@@ -226,7 +226,9 @@ class ModelStateMixin:
         return handle
 
     def register_post_step_hook(self, hook):
-        """`hook(model, optimizer)` runs after every smp.step. Returns a handle."""
+        """`hook(model, optimizer)` runs once, after the next `@smp.step` call returns
+        (the first step, for a hook registered before training: SMP v1). Hugging Face's
+        Trainer loads a resumed optimizer state this way. Returns a handle."""
         from torch.utils.hooks import RemovableHandle
         if not callable(hook):
             raise ValueError(f"smp: register_post_step_hook hook={hook!r} is not callable")
@@ -235,3 +237,11 @@ class ModelStateMixin:
         handle = RemovableHandle(self._post_step_hooks)
         self._post_step_hooks[handle.id] = hook
         return handle
+
+    def _run_post_step_hooks(self):
+        """After a step returned: each registered post-step hook runs once, then is gone
+        (a hook registering another defers that one to the next step)."""
+        hooks = list(self._post_step_hooks.values())
+        self._post_step_hooks.clear()
+        for hook in hooks:
+            hook(self, core.state.optimizer)

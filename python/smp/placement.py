@@ -19,7 +19,7 @@ parameters, buffers and hooks, on every rank. What changes is where a module run
 import torch
 import torch.distributed as dist
 
-from smp import core
+from smp import _C, core
 
 __all__ = []
 
@@ -122,6 +122,10 @@ def apply_mode_flags(modules, flags):
         m.training = bool(f)
 
 
+class TiedCopiesError(RuntimeError):
+    """The copies of a parameter tied across pp ranks differ (Note [Tied copies])."""
+
+
 class TiedParameters:
     """Parameters and buffers held on more than one pp rank, and how to keep them equal.
 
@@ -166,6 +170,38 @@ class TiedParameters:
                 self._allreduce(buf)
                 if mine:
                     t.copy_(buf)
+
+    def check_copies(self):
+        """Raises on every pp rank if the copies of a tied parameter differ.
+
+        Note [Tied copies]: sum_grads leaves every holder the same gradient, so equal
+        optimizers keep the copies bitwise equal; a step that changes a copy's gradient
+        on one holder only (torch.nn.utils.clip_grad_norm_ on model.parameters() clips by
+        that rank's own norm) would make them drift apart silently. Each step starts by
+        comparing an XXH3 fingerprint of every copy: one pass over the tied tensors
+        (~7 GB/s) and one all_gather of 8 bytes per tied parameter on the pp group.
+        """
+        params = [(name, t, holders) for name, t, holders in self.entries
+                  if isinstance(t, torch.nn.Parameter)]
+        if not params:
+            return
+        mine = [t for _, t, holders in params if self.me in holders]
+        prints = iter(_C.fingerprints([t.detach() for t in mine]))
+        local = torch.tensor([next(prints) if self.me in holders else 0
+                              for _, _, holders in params], dtype=torch.int64)
+        everyone = [torch.empty_like(local) for _ in range(core.pp_size())]
+        dist.all_gather(everyone, local, group=core.get_pp_process_group())
+        for i, (name, _, holders) in enumerate(params):
+            values = {int(everyone[h][i]) for h in holders}
+            if len(values) > 1:
+                raise TiedCopiesError(
+                    f"smp: the copies of tied parameter '{name}' on pp ranks {holders} "
+                    "differ: something changed the gradient or the value of one copy only "
+                    "since the last step. The usual cause is torch.nn.utils.clip_grad_norm_"
+                    "(model.parameters(), ...), which clips each rank's gradients by that "
+                    "rank's own norm; use model.clip_grad_norm_(max_norm) (or "
+                    "smp.clip_grad_norm_(model, max_norm)), which clips by the norm over "
+                    f"every partition and keeps tied copies equal (rank {core.rank()})")
 
     def begin_step(self):
         """Sets each held tied parameter's gradient aside, so the step's backward

@@ -139,6 +139,14 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
     def _dp_reduce(self):
         return core.state.cfg.ddp and core.dp_size() > 1
 
+    def _shutdown(self):
+        """smp.shutdown(): unhooks the parameters (a later model may wrap the same
+        module), then the pipeline's part."""
+        if self._grad_guard is not None:
+            self._grad_guard.remove()
+            self._grad_guard = None
+        super()._shutdown()
+
     # --- the step ---------------------------------------------------------------------
 
     def _run_step(self, fn, mb_inputs, input_error=None):

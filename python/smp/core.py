@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from smp import _C
+from smp import _C, launch_env, log
 from smp.timeline import timeline
 
 __all__ = []
@@ -66,6 +66,10 @@ class _State:
         self.optimizer = None
         self.microbatch = 0
         self.tracing = False
+        # SMP 1.10's (smp_to_hf, hf_to_smp) state-dict translations of tensor-parallel
+        # modules; none without tensor parallelism. Hugging Face's save_pretrained walks
+        # it when smdistributed.modelparallel.__version__ >= 1.10.
+        self.module_manager = SimpleNamespace(translate_functions=[])
 
     def microbatch_of_task(self):
         """The microbatch the calling thread works on (pipeline tasks), else the step's."""
@@ -76,21 +80,48 @@ class _State:
 state = _State()
 
 
+_CONFIG_ACCEPTED = ('accepted: a dict, the path of an existing JSON file holding an object '
+                    'like {"partitions": 2}, or None for env SMP_CONFIG)')
+
+
 def _config_text(config):
-    """Resolves `config` (dict, JSON path, None) to JSON text. Raises ConfigError."""
+    """Resolves `config` (dict, JSON path, None) to JSON text.
+
+    Raises:
+        ConfigError: a path that does not exist, is not a file or holds no valid JSON,
+            SMP_CONFIG holding a path instead of JSON, or a config of another type.
+    """
     if config is None:
-        return _C.config_from_environment()
+        raw = _C.config_from_environment()
+        text = os.environ.get("SMP_CONFIG", "")
+        if raw == text and not text.lstrip().startswith("{"):
+            try:
+                json.loads(text)
+            except ValueError:
+                what = "an existing file" if os.path.isfile(text) else "not JSON"
+                raise ConfigError(
+                    f"smp: environment SMP_CONFIG='{text}' is {what}; SMP_CONFIG holds the "
+                    'JSON object itself, like {"partitions": 2} (smprun --config and '
+                    "smp.init(config=path) read a file)") from None
+        return raw
     if isinstance(config, dict):
         return json.dumps(config)
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
+        if not os.path.exists(path):
+            raise ConfigError(f"smp: config file '{path}' does not exist ({_CONFIG_ACCEPTED}")
         if not os.path.isfile(path):
-            raise ConfigError(f"smp: config path '{path}' is not a file (allowed: a dict, "
-                              "a path to a JSON file, or None)")
+            raise ConfigError(f"smp: config path '{path}' is not a file ({_CONFIG_ACCEPTED}")
         with open(path) as f:
-            return f.read()
+            text = f.read()
+        try:
+            json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"smp: config file '{path}' is not valid JSON: {exc} "
+                              f"({_CONFIG_ACCEPTED}") from None
+        return text
     raise ConfigError(f"smp: config of type {type(config).__name__} is not supported "
-                      "(allowed: a dict, a path to a JSON file, or None)")
+                      f"({_CONFIG_ACCEPTED}")
 
 
 def _env_int(name, default):
@@ -184,11 +215,8 @@ def init(config=None):
     """
     if state.initialized:
         return
+    log.configure()  # SMP_LOG_LEVEL: a bad value fails here, before any rendezvous
     raw = _config_text(config)
-    rank = _env_int("RANK", 0)
-    world = _env_int("WORLD_SIZE", 1) if "RANK" in os.environ else 1
-    local_rank = _env_int("LOCAL_RANK", rank)
-    local_size = _env_int("LOCAL_WORLD_SIZE", world)
     try:
         timeout_s = json.loads(_C.parse_config(raw))["timeout_s"]
     except (ConfigError, ValueError):
@@ -196,21 +224,21 @@ def init(config=None):
     timeout = datetime.timedelta(seconds=timeout_s)
 
     if dist.is_initialized():
-        # The script (or torchrun) initialised torch.distributed itself: join it.
+        # The script initialised torch.distributed itself: join its world and store.
         rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = _env_int("LOCAL_RANK", rank)
+        local_size = _env_int("LOCAL_WORLD_SIZE", world)
         store = dist.distributed_c10d._get_default_store()
-    elif world == 1:
-        store = dist.HashStore()
     else:
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = _env_int("MASTER_PORT", 0)
-        if port <= 0:
-            raise ConfigError(f"smp: environment MASTER_PORT is not set (WORLD_SIZE={world}); "
-                              "launch with smprun or torchrun")
-        if rank != 0:
-            _wait_for_listener(addr, port, timeout_s)
-        # No waiting for workers here: the config exchange names any rank that is missing.
-        store = dist.TCPStore(addr, port, world, rank == 0, timeout, wait_for_workers=False)
+        where = launch_env.from_environment()
+        rank, world = where.rank, where.world_size
+        local_rank, local_size = where.local_rank, where.local_size
+        if where.master_addr is not None:
+            # Derived from SLURM or Open MPI: export them as torchrun and smprun do, so
+            # torch's env:// and smp's pipeline transport see the same endpoint.
+            os.environ.setdefault("MASTER_ADDR", where.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(where.master_port))
+        store = launch_env.rendezvous(where, timeout_s, _wait_for_listener)
 
     cfg_json = _C.agree_config(store, rank, world, raw)
     cfg = json.loads(cfg_json)

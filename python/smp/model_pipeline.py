@@ -2,11 +2,10 @@
 and partition, and each step run through the pipeline engine with the tied-weight sum
 and the dp reduction overlapping the backward. A mixin of DistributedModel: it uses the
 model's attributes (see model.py's __init__)."""
-import sys
 
 import torch
 
-from smp import agreement, core, tracer
+from smp import agreement, core, log, tracer
 
 __all__ = []
 
@@ -54,13 +53,14 @@ class PipelineMixin:
         if len(set(hashes)) != 1:
             raise RuntimeError("smp: ranks of the mp group computed different partitions "
                                f"(plan hashes by pp rank: {[hex(h) for h in hashes]})")
-        if core.rank() == 0:
-            print("smp: partition plan\n" + plan.table(nodes), file=sys.stderr, flush=True)
         table = tracer.module_table(self.module)
         self._plan = [(name, plan.assignment[i], plan.node_cost[i])
                       for i, (name, _, _) in enumerate(table)]
         self._owner = {name: plan.assignment[i] for i, (name, _, _) in enumerate(table)}
         self._module_table = [(name, m) for name, m, _ in table]
+        if core.rank() == 0:  # the same plan on every rank (hash checked): said once
+            log.log_partition(self._module_table, self._owner, core.pp_size(),
+                              lambda: plan.table(nodes), core.rank())
         engine = pipeline.Engine(self)
         self._tied = placement.apply(self._module_table, self._owner, engine, core.pp_rank())
         self._tied.sync_values()

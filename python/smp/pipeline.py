@@ -27,14 +27,13 @@ import contextlib
 import datetime
 import os
 import pickle
-import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from smp import _C, core, placement
+from smp import _C, core, log, placement
 from smp.nested import TensorSlot, unflatten
 from smp.remote_call import (Call, RemoteCall, anchor, decode, encode_outputs, encode_present,
                               encode_request, request_plan)
@@ -117,8 +116,12 @@ class Engine:
             table = f"(no schedule table: {e})\n"
         where = (f"pp rank {cell[0]}, microbatch {cell[1]}, "
                  f"{'backward' if cell[2] else 'forward'}") if cell else "an unknown cell"
-        print(f"smp: step {self.epoch} failed at {where} (rank {core.rank()}): "
-              f"{type(exc).__name__}: {exc}\n{table}", file=sys.stderr, end="", flush=True)
+        # logger.error, not a print: with no logging configured smp's handler puts it on
+        # stderr as before; a job that sends its logs elsewhere (files, a collector)
+        # finds the table there, beside smp's other records. See python/smp/log.py.
+        log.get_logger("pipeline").error("smp: step %d failed at %s (rank %d): %s: %s\n%s",
+                                         self.epoch, where, core.rank(), type(exc).__name__,
+                                         exc, table.rstrip("\n"))
 
     def _next_call_id(self, mb):
         with self.lock:

@@ -41,11 +41,31 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+constexpr const char* kConfigAccepted =
+    "accepted: a JSON object like {\"partitions\": 2}, or the path of an existing JSON file";
+
+// Whether a --config value is meant as inline JSON rather than a path.
+bool looks_like_json(const std::string& value) {
+  size_t first = value.find_first_not_of(" \t\r\n");
+  return first != std::string::npos && (value[first] == '{' || value[first] == '[');
+}
+
 }  // namespace
 
 bool load_config(const std::string& value, std::string* json, std::string* error) {
   std::string text = value;
   std::string what = "--config value";
+  struct stat st {};
+  if (!looks_like_json(value) && !nlohmann::json::accept(value)) {
+    if (stat(value.c_str(), &st) != 0) {
+      *error = "--config file '" + value + "' does not exist (" + kConfigAccepted + ")";
+      return false;
+    }
+    if (!S_ISREG(st.st_mode)) {
+      *error = "--config path '" + value + "' is not a regular file (" + kConfigAccepted + ")";
+      return false;
+    }
+  }
   if (is_file(value)) {
     std::ifstream in(value);
     std::stringstream ss;
@@ -65,7 +85,8 @@ bool load_config(const std::string& value, std::string* json, std::string* error
     size_t colon = detail.find(": ");  // drop nlohmann's "[json.exception.parse_error.101] "
     if (detail.rfind("[json.exception", 0) == 0 && colon != std::string::npos)
       detail = detail.substr(detail.find(' ') + 1);
-    *error = what + " is not an existing file nor valid JSON: " + detail;
+    *error = what + " is not an existing file nor valid JSON: " + detail + " (" +
+             kConfigAccepted + ")";
     return false;
   }
   if (!parsed.is_object()) {

@@ -32,6 +32,9 @@ from smp.core import (
 )
 
 __version__ = "0.1.0"
+# The SMP v1 API level smp implements: smdistributed.modelparallel.__version__.
+# See Note [Two versions] in smdistributed/modelparallel/__init__.py.
+SMP_API_VERSION = "1.10.0"
 
 CommError = _C.CommError
 GradBucket = _C.GradBucket

@@ -1,0 +1,276 @@
+"""Where this process sits in the job: rank, world size, local rank and size, and the
+store it meets its peers on, read from whichever launcher started it.
+
+Sources, first match wins (docs/launcher.md, "Launching without smprun"):
+
+1. ``RANK`` set: smprun, torchrun, or a user's own exports (``WORLD_SIZE``,
+   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Under
+   torchrun (``TORCHELASTIC_RUN_ID`` set) the store comes from torch's own ``env://``
+   rendezvous handler, which connects to the agent's store as a client when
+   ``TORCHELASTIC_USE_AGENT_STORE=True`` and prefixes it with the restart attempt.
+2. ``OMPI_COMM_WORLD_RANK`` set: a script started directly by Open MPI's ``mpirun``.
+3. ``SLURM_PROCID`` set: a script started directly by ``srun``.
+4. None of them: a world of 1.
+
+Note [Open MPI before SLURM]: ``mpirun`` inside a SLURM allocation starts processes
+that inherit the batch step's ``SLURM_PROCID=0`` and ``SLURM_NTASKS``; the
+``OMPI_COMM_WORLD_*`` variables are the ones mpirun set for this very process, so they
+win. ``srun`` never sets ``OMPI_COMM_WORLD_*``.
+
+The SLURM rules for the rank 0 host are smprun's (``first_slurm_host`` in
+launcher/scheduler_env.cpp): the first host of the nodelist, or 127.0.0.1 on one node,
+and ``MASTER_PORT`` defaults to smprun's several-node default, 29500.
+"""
+import os
+import re
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from smp import _C
+
+__all__ = []
+
+ConfigError = _C.ConfigError
+
+# smprun's default --master_port on several nodes (docs/launcher.md); srun and mpirun
+# start every rank at once, so no rank can pick a free port for the others.
+kDefaultMasterPort = 29500
+
+
+class WorldEnv:
+    """This process's place in the job, resolved from its environment.
+
+    Attributes:
+        source: "single", "env", "torchelastic", "openmpi" or "slurm".
+        rank, world_size, local_rank, local_size: ints.
+        master_addr, master_port: rank 0's store endpoint (None for a world of 1 and
+            under torchrun, where torch's handler reads them itself).
+        key_prefix: prefix of every store key of this job ("" when the store is the
+            job's own), so jobs that meet on one default port never read each other's.
+    """
+
+    def __init__(self, source, rank, world_size, local_rank, local_size,
+                 master_addr=None, master_port=None, key_prefix=""):
+        self.source = source
+        self.rank, self.world_size = rank, world_size
+        self.local_rank, self.local_size = local_rank, local_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.key_prefix = key_prefix
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"smp: rank {rank} is not in [0, world size {world_size}) "
+                              f"({_source_vars(source)})")
+
+    def __repr__(self):
+        return (f"WorldEnv({self.source}: rank {self.rank} of {self.world_size}, local "
+                f"{self.local_rank} of {self.local_size}, store {self.master_addr}:"
+                f"{self.master_port})")
+
+
+def _source_vars(source):
+    return {"env": "RANK, WORLD_SIZE", "torchelastic": "RANK, WORLD_SIZE (torchrun)",
+            "openmpi": "OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE (mpirun)",
+            "slurm": "SLURM_PROCID, SLURM_NTASKS (srun)"}.get(source, source)
+
+
+def _int(env, name, why, default=None):
+    """The integer in env[name]; `default` when unset, else ConfigError naming the
+    variable and `why` it is needed (default None), or a malformed value."""
+    value = env.get(name)
+    if value in (None, ""):
+        if default is not None:
+            return default
+        raise ConfigError(f"smp: environment {name} is not set, {why}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"smp: environment {name}='{value}' is not an integer") from None
+
+
+def _master_port(env):
+    return _int(env, "MASTER_PORT", "", default=kDefaultMasterPort)
+
+
+def from_environment(env=None):
+    """Resolves this process's WorldEnv from `env` (default: os.environ).
+
+    Raises:
+        ConfigError: a launcher's variables are incomplete or malformed (the message
+            names the variable), or several nodes and no way to find rank 0's host.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env:
+        source = "torchelastic" if env.get("TORCHELASTIC_RUN_ID") else "env"
+        why = f"but RANK={env['RANK']} is"
+        rank = _int(env, "RANK", why)
+        world = _int(env, "WORLD_SIZE", why)
+        local_rank = _int(env, "LOCAL_RANK", why, default=rank)
+        local_size = _int(env, "LOCAL_WORLD_SIZE", why, default=world)
+        if world == 1 or source == "torchelastic":
+            return WorldEnv(source, rank, world, local_rank, local_size)
+        port = _int(env, "MASTER_PORT", "", default=0)
+        if port <= 0:
+            raise ConfigError(f"smp: environment MASTER_PORT is not set (RANK={rank}, "
+                              f"WORLD_SIZE={world}); set MASTER_ADDR and MASTER_PORT to rank "
+                              "0's host and a free port, or launch with smprun or torchrun")
+        return WorldEnv(source, rank, world, local_rank, local_size,
+                        env.get("MASTER_ADDR") or "127.0.0.1", port)
+    if env.get("OMPI_COMM_WORLD_RANK") not in (None, ""):
+        return _openmpi(env)  # See Note [Open MPI before SLURM]
+    if env.get("SLURM_PROCID") not in (None, ""):
+        return _slurm(env)
+    return WorldEnv("single", 0, 1, 0, 1)
+
+
+def _openmpi(env):
+    who = (f"but OMPI_COMM_WORLD_RANK={env['OMPI_COMM_WORLD_RANK']} is (a script started "
+           "by mpirun needs OMPI_COMM_WORLD_SIZE, _LOCAL_RANK and _LOCAL_SIZE)")
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", who)
+    world = _int(env, "OMPI_COMM_WORLD_SIZE", who)
+    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", who)
+    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", who)
+    if world == 1:
+        return WorldEnv("openmpi", rank, world, local_rank, local_size)
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        if local_size != world:
+            raise ConfigError(
+                f"smp: environment MASTER_ADDR is not set, and mpirun started {world} ranks "
+                f"on several nodes (OMPI_COMM_WORLD_SIZE={world}, "
+                f"OMPI_COMM_WORLD_LOCAL_SIZE={local_size}); Open MPI does not name rank 0's "
+                "host: set MASTER_ADDR (mpirun -x MASTER_ADDR=<host of rank 0>)")
+        addr = "127.0.0.1"
+    job = env.get("OMPI_MCA_ess_base_jobid") or env.get("OMPI_MCA_orte_ess_jobid") or ""
+    return WorldEnv("openmpi", rank, world, local_rank, local_size, addr, _master_port(env),
+                    f"smp/openmpi/{job}/" if job else "smp/openmpi/")
+
+
+def _slurm(env):
+    who = (f"but SLURM_PROCID={env['SLURM_PROCID']} is (a script started by srun needs "
+           "SLURM_NTASKS and SLURM_LOCALID)")
+    rank = _int(env, "SLURM_PROCID", who)
+    world_var = "SLURM_NTASKS" if env.get("SLURM_NTASKS") else "SLURM_NPROCS"
+    if not env.get(world_var):
+        raise ConfigError(f"smp: environment SLURM_NTASKS is not set, {who}")
+    world = _int(env, world_var, who)
+    local_rank = _int(env, "SLURM_LOCALID", who)
+    nnodes = _int(env, "SLURM_STEP_NUM_NODES", who,
+                  default=_int(env, "SLURM_NNODES", who, default=1))
+    node = _int(env, "SLURM_NODEID", who, default=0)
+    local_size = None
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(name):
+            local_size = _tasks_on_node(env[name], node, name)
+            break
+    if local_size is None:
+        if nnodes != 1:
+            raise ConfigError(
+                f"smp: environment SLURM_STEP_TASKS_PER_NODE is not set and SLURM_NNODES="
+                f"{nnodes}: cannot tell how many ranks run on node {node} (set "
+                "SLURM_STEP_TASKS_PER_NODE, or LOCAL_WORLD_SIZE with RANK and WORLD_SIZE)")
+        local_size = world
+    if world == 1:
+        return WorldEnv("slurm", rank, world, local_rank, local_size)
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        if nnodes == 1:
+            addr = "127.0.0.1"
+        else:
+            name = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
+                                     "SLURM_NODELIST") if env.get(n)), None)
+            if name is None:
+                raise ConfigError(
+                    f"smp: environment MASTER_ADDR is not set and srun started {world} ranks "
+                    f"on {nnodes} nodes with no SLURM_JOB_NODELIST to take rank 0's host "
+                    "from: set MASTER_ADDR")
+            addr = first_slurm_host(env[name])
+            if not addr:
+                raise ConfigError(f"smp: cannot parse {name}='{env[name]}' (expected e.g. "
+                                  "node[01-04],gpu5); set MASTER_ADDR")
+    step = f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
+    return WorldEnv("slurm", rank, world, local_rank, local_size, addr, _master_port(env),
+                    f"smp/slurm/{step}/")
+
+
+def _tasks_on_node(text, node, name):
+    """Tasks on node `node` from SLURM's compressed per-node counts ("2(x3),1")."""
+    counts = []
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if not m:
+            raise ConfigError(f"smp: cannot parse {name}='{text}' (expected e.g. 2(x3),1)")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not 0 <= node < len(counts):
+        raise ConfigError(f"smp: SLURM_NODEID={node} is outside {name}='{text}' "
+                          f"({len(counts)} nodes)")
+    return counts[node]
+
+
+def first_slurm_host(nodelist):
+    """First host of a SLURM hostlist, as smprun's `first_slurm_host`
+    (launcher/scheduler_env.cpp): "node[01-04,07],gpu5" -> "node01",
+    "rack[1-2]-n[1,3]" -> "rack1-n1". Returns "" when malformed."""
+    depth, end = 0, len(nodelist)
+    for i, c in enumerate(nodelist):
+        depth += c == "["
+        depth -= c == "]"
+        if depth < 0:
+            return ""
+        if c == "," and depth == 0:
+            end = i
+            break
+    item = nodelist[:end].strip()
+    out = []
+    while item:
+        m = re.match(r"([^\[\]]*)\[([^\]]*)\](.*)$", item)
+        if not m:
+            if "[" in item or "]" in item:
+                return ""
+            out.append(item)
+            break
+        first = m.group(2).split(",")[0].split("-")[0].strip()
+        if not first.isdigit():
+            return ""
+        out += [m.group(1), first]
+        item = m.group(3)
+    return "".join(out)
+
+
+def rendezvous(world_env, timeout_s, wait_for_listener):
+    """The c10d store of this job; blocks until rank 0's store is reachable.
+
+    Args:
+        world_env: from `from_environment`.
+        timeout_s: bound of the connection (and of the store's later waits).
+        wait_for_listener: callable(addr, port, timeout_s) that returns once rank 0's
+            store accepts connections (smp.core's fast poll).
+
+    Raises:
+        ConfigError: rank 0 cannot host the store on MASTER_PORT (the port is taken).
+    """
+    timeout = timedelta(seconds=timeout_s)
+    e = world_env
+    if e.world_size == 1:
+        return dist.HashStore()
+    if e.source == "torchelastic":
+        # Agent store: every worker is a client, under /worker/attempt_{restart}; c10d
+        # rendezvous: rank 0 hosts at the agent's MASTER_ADDR:MASTER_PORT.
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        return store
+    if e.rank != 0:
+        wait_for_listener(e.master_addr, e.master_port, timeout_s)
+    try:
+        # No waiting for workers here: the config exchange names any rank that is missing.
+        store = dist.TCPStore(e.master_addr, e.master_port, e.world_size, e.rank == 0,
+                              timeout, wait_for_workers=False)
+    except RuntimeError as exc:
+        if e.rank == 0 and "in use" in str(exc):
+            raise ConfigError(
+                f"smp: rank 0 cannot host the store on port {e.master_port} ({exc}); "
+                "another job or a launcher's own store holds it: set MASTER_PORT to a free "
+                "port") from exc
+        raise
+    if e.key_prefix:
+        store = dist.PrefixStore(e.key_prefix, store)
+    return store

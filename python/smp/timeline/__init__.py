@@ -1,10 +1,19 @@
-"""`SMP_TIMELINE=path`: each rank appends Chrome/Perfetto trace events of its steps to
+"""`SMP_TIMELINE=path`: each rank writes Chrome/Perfetto trace events of its steps to
 `path.rank<N>.json` (one JSON array per file, openable in chrome://tracing or
 ui.perfetto.dev; merge ranks with `python3 -m smp.timeline out.json path.rank*.json`).
 
 Events are complete events ("ph": "X") with the rank as pid and the microbatch task as
 tid, so each rank is a process row and each microbatch a thread row. When the variable
 is unset, `span()` is a no-op context manager (no allocation on the hot path).
+
+Size bound: `SMP_TIMELINE_MAX_MB` (a number > 0, default 64) caps each rank's file.
+When the next event would cross it, the rank writes one last instant event, "smp
+timeline truncated", closes the array (the file is valid JSON from then on) and
+records nothing more; the job runs on. The file keeps the job's first steps (the
+partition, warm-up, then steady state: at ~350 KB/s a rank fills 64 MB in about three
+minutes of pipelined steps); a ring of the last steps would have to hold them in memory
+and rewrite the file, and it would be lost to a crash or a SIGKILL, which is when a
+trace is wanted most. See docs/pipeline.md, "Timeline".
 """
 import contextlib
 import json
@@ -12,7 +21,34 @@ import os
 import threading
 import time
 
+from smp import _C
+
 __all__ = []
+
+ENV = "SMP_TIMELINE"
+ENV_MAX_MB = "SMP_TIMELINE_MAX_MB"
+DEFAULT_MAX_MB = 64.0
+# Room kept for the closing instant event and "]": its text is well under this.
+_CLOSING_RESERVE = 512
+
+
+def max_bytes_from_env():
+    """`SMP_TIMELINE_MAX_MB` in bytes (DEFAULT_MAX_MB when unset).
+
+    Raises:
+        ConfigError: the value is not a number > 0.
+    """
+    value = os.environ.get(ENV_MAX_MB, "").strip()
+    if not value:
+        return int(DEFAULT_MAX_MB * (1 << 20))
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0 or mb == float("inf"):
+        raise _C.ConfigError(f"smp: environment {ENV_MAX_MB}='{value}' is not a number > 0 "
+                             f"(megabytes per rank's timeline file; default {DEFAULT_MAX_MB:g})")
+    return max(1, int(mb * (1 << 20)))
 
 
 class _Timeline:
@@ -22,17 +58,28 @@ class _Timeline:
         self.lock = threading.Lock()
         self.rank = 0
         self.t0 = 0.0  # CLOCK_MONOTONIC is shared by the processes of a machine
+        self.size = 0
+        self.max_bytes = 0
+        self.truncated = False
 
     def start(self, rank):
-        base = os.environ.get("SMP_TIMELINE")
+        """Opens `$SMP_TIMELINE.rank<rank>.json` when SMP_TIMELINE is set.
+
+        Raises:
+            ConfigError: a bad SMP_TIMELINE_MAX_MB.
+        """
+        base = os.environ.get(ENV)
         if not base:
             return
+        self.max_bytes = max_bytes_from_env()
         self.rank = rank
+        self.truncated = False
         self.path = f"{base}.rank{rank}.json"
         self.file = open(self.path, "w")
-        self.file.write("[\n")
-        self.file.write(json.dumps({"name": "process_name", "ph": "M", "pid": rank,
-                                    "args": {"name": f"rank {rank}"}}))
+        head = "[\n" + json.dumps({"name": "process_name", "ph": "M", "pid": rank,
+                                   "args": {"name": f"rank {rank}"}})
+        self.file.write(head)
+        self.size = len(head)
 
     @property
     def enabled(self):
@@ -44,8 +91,15 @@ class _Timeline:
               "ts": (start - self.t0) * 1e6, "dur": (end - start) * 1e6}
         if args:
             ev["args"] = args
+        text = ",\n" + json.dumps(ev)  # ASCII (ensure_ascii): characters are bytes
         with self.lock:
-            self.file.write(",\n" + json.dumps(ev))
+            if self.file is None:
+                return
+            if self.size + len(text) + _CLOSING_RESERVE > self.max_bytes:
+                self._close_locked(truncated_at=end)
+                return
+            self.file.write(text)
+            self.size += len(text)
 
     @contextlib.contextmanager
     def _span(self, name, mb, args):
@@ -60,19 +114,37 @@ class _Timeline:
             return contextlib.nullcontext()
         return self._span(name, mb, args)
 
+    def _close_locked(self, truncated_at=None):
+        tail = ""
+        if truncated_at is not None:
+            self.truncated = True
+            tail = ",\n" + json.dumps({
+                "name": "smp timeline truncated", "ph": "i", "s": "g", "pid": self.rank,
+                "tid": "smp", "ts": (truncated_at - self.t0) * 1e6,
+                "args": {"reason": f"{ENV_MAX_MB}: {self.max_bytes} bytes reached; "
+                                   "no events recorded after this"}})
+        self.file.write(tail + "\n]\n")
+        self.size += len(tail) + 3
+        self.file.close()
+        self.file = None
+
     def close(self):
-        if self.file is not None:
-            with self.lock:
-                self.file.write("\n]\n")
-                self.file.close()
-                self.file = None
+        with self.lock:
+            if self.file is not None:
+                self._close_locked()
 
 
 timeline = _Timeline()
 
 
 def merge(out, paths):
-    """Merges per-rank timeline files into one trace."""
+    """Merges per-rank timeline files into one trace (a file a killed rank left
+    without its closing bracket is read too).
+
+    Args:
+        out: the merged file to write.
+        paths: the per-rank files (`$SMP_TIMELINE.rank<N>.json`).
+    """
     events = []
     for p in paths:
         with open(p) as f:
@@ -82,4 +154,3 @@ def merge(out, paths):
         events.extend(json.loads(text))
     with open(out, "w") as f:
         json.dump(events, f)
-

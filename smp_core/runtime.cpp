@@ -30,7 +30,23 @@ int env_int(const char* name, int def) {
 
 ProcessEnv ProcessEnv::from_environment() {
   ProcessEnv e;
-  if (!std::getenv("RANK")) return e;  // bare process: world of 1
+  if (!std::getenv("RANK")) {
+    // A bare process is a world of 1, but not one of N copies srun or mpirun started:
+    // those would each train alone. Python's smp.init derives the world from these
+    // variables (python/smp/launch_env.py; Note [Open MPI before SLURM] there).
+    for (auto [var, size] : {std::pair{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+                             std::pair{"SLURM_PROCID", "SLURM_NTASKS"}}) {
+      if (!std::getenv(var)) continue;
+      if (env_int(size, 1) > 1)
+        throw ConfigError(str_cat("smp: environment RANK is not set, but ", var, "=",
+                                  std::getenv(var), " and ", size, "=", env_int(size, 1),
+                                  " say this is one of several ranks; smp::init (C++) reads "
+                                  "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR "
+                                  "and MASTER_PORT: export them, or launch with smprun"));
+      break;
+    }
+    return e;
+  }
   e.rank = env_int("RANK", 0);
   e.world_size = env_int("WORLD_SIZE", 1);
   e.local_rank = env_int("LOCAL_RANK", e.rank);
@@ -42,7 +58,8 @@ ProcessEnv ProcessEnv::from_environment() {
                               e.world_size, ")"));
   if (e.world_size > 1 && e.master_port <= 0)
     throw ConfigError(str_cat("smp: environment MASTER_PORT is not set (WORLD_SIZE=",
-                              e.world_size, "); launch with smprun or torchrun"));
+                              e.world_size,
+                              "); set MASTER_ADDR and MASTER_PORT, or launch with smprun"));
   return e;
 }
 
@@ -121,13 +138,23 @@ Runtime& init(const std::string& config_json) {
   if (env.world_size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
   } else {
+    // Under torchrun's static rendezvous its agent already hosts the store on
+    // MASTER_PORT: connect as a client, under the attempt's prefix, as torch's env://
+    // handler does (torch/distributed/rendezvous.py, _create_c10d_store).
+    const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    const bool agent_store = agent && std::string(agent) == "True";
     c10d::TCPStoreOptions opts;
     opts.port = static_cast<uint16_t>(env.master_port);
-    opts.isServer = env.rank == 0;
+    opts.isServer = env.rank == 0 && !agent_store;
     opts.numWorkers = env.world_size;
     opts.timeout = timeout;
     opts.waitWorkers = false;  // agree_config names any rank that never arrives
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+    if (agent_store) {
+      const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      store = c10::make_intrusive<c10d::PrefixStore>(
+          str_cat("/worker/attempt_", attempt ? attempt : "0"), store);
+    }
   }
   Config config = agree_config(store, env, raw);
   Topology topo(env.world_size, config.partitions, config.placement_strategy);

@@ -66,7 +66,8 @@ def clean_env(**extra):
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)}
     env.update({
-        "PYTHONPATH": os.path.join(BUILD, "python") + os.pathsep + os.path.join(REPO, "tests", "python"),
+        "PYTHONPATH": os.pathsep.join([os.path.join(BUILD, "python"),
+                                       os.path.join(REPO, "tests", "python")]),
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
     })
     env.update({k: str(v) for k, v in extra.items()})
@@ -268,3 +269,26 @@ def test_missing_config_file_messages(tmp_path):
     assert out.stderr.strip() == (
         f"smprun: error: --config file '{missing}' does not exist (accepted: a JSON object "
         'like {"partitions": 2}, or the path of an existing JSON file)')
+
+
+def test_cpp_init_under_torchrun_and_srun(tmp_path):
+    """smp::init (C++) joins torchrun's agent store as a client too, and refuses a
+    process srun started as one of several without RANK rather than train it alone."""
+    example = os.path.join(BUILD, "bin", "cpp_ddp_example")
+    if not os.path.exists(example):
+        pytest.skip("examples not built")
+    out = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--redirects", "1",
+         "--tee", "1", "--monitor_interval", "0.5", "--log_dir", str(tmp_path / "logs"),
+         "--master_port", str(free_port()), "--no_python", example, "--steps", "3"],
+        env=clean_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "done: 3 steps on 2 ranks" in out.stdout, out.stdout
+    out = subprocess.run([example, "--steps", "1"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(SLURM_PROCID=1, SLURM_NTASKS=2, SLURM_LOCALID=1))
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        "cpp_ddp_example: smp: environment RANK is not set, but SLURM_PROCID=1 and "
+        "SLURM_NTASKS=2 say this is one of several ranks; smp::init (C++) reads RANK, "
+        "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT: export them, "
+        "or launch with smprun")

@@ -1,11 +1,12 @@
 // Bindings of smp::checkpoint: smp._C.CheckpointError, Manifest and the file
-// operations smp/checkpoint.py builds smp.save/smp.load on. Every file operation
+// operations smp/checkpoint/ builds smp.save/smp.load on. Every file operation
 // releases the GIL (they read, hash and fsync whole files).
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/stl.h>
 
 #include "bindings.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/parts.h"
 
 namespace py = pybind11;
 
@@ -67,6 +68,24 @@ void bind_checkpoint(py::module_& m) {
     for (auto& r : vf.records) records[py::str(r.name)] = r.bytes;
     return py::make_tuple(vf.manifest, records);
   }, py::arg("path"), "Reads and verifies a whole file: (manifest, {record name: uint8 tensor}).");
+  m.def("checkpoint_order_parts", &order_parts, release(), py::arg("paths"),
+        "The files of one partial save in part order; CheckpointError if they are not.");
+  m.def("checkpoint_read_parts", [](const std::vector<std::string>& paths) {
+    std::vector<VerifiedFile> files;
+    {
+      py::gil_scoped_release nogil;
+      files = read_parts(paths);
+    }
+    py::list out;
+    for (auto& vf : files) {
+      py::dict records;
+      for (auto& r : vf.records) records[py::str(r.name)] = r.bytes;
+      out.append(py::make_tuple(vf.manifest, records));
+    }
+    return out;
+  }, py::arg("paths"),
+        "order_parts, then every part read and verified: [(manifest, records)] in part order.");
+  m.def("checkpoint_name", &checkpoint_name, py::arg("path"));
   m.def("checkpoint_resolve_partial", &resolve_partial, release(), py::arg("base"),
         "The newest complete partial save at base_0..: (paths by part, part 0's manifest).");
 }

@@ -8,7 +8,11 @@
   on every rank; a saving rank SIGKILLed at several moments leaves the old or the new
   save whole;
 - save_checkpoint keeps N, resume_from_checkpoint (partial, full, HF's plain file);
-- post-step / post-partition hooks; comm hook state pickling.
+- post-step / post-partition hooks; comm hook state pickling;
+- `python -m smp.checkpoint merge` of a real pp=2 partial save loads into the plain
+  module and equals the gathered state dict (optimizer too, through
+  optimizer_to_torch); missing, repeated, mixed and damaged parts are named;
+- smp.save into a missing directory says what to do, the same on every rank.
 """
 import json
 import os
@@ -405,3 +409,160 @@ def test_powersgd_hook_and_state_through_smp_save(tmp_path):
     out = subprocess.run([PYTHON, str(script), str(tmp_path / "hook.pt")], capture_output=True,
                          text=True, env=rank_env(0, 1, free_port()), timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
+# --- merging a partial save into one plain state dict (python -m smp.checkpoint merge) ----
+
+MERGE_SAVE = COMMON + r"""
+import shutil
+for i in range(3):
+    step(i)
+ck = opts["ckpt"]
+smp.save(model.local_state_dict(), ck, partial=True)
+smp.save({"model": model.local_state_dict(), "opt": opt.local_state_dict(), "step": 3},
+         ck + ".both", partial=True)
+full, osd = model.state_dict(), opt.state_dict()   # gathered (collective)
+# One checkpoint name saved twice: keep this rank's part of the first save aside.
+smp.save(model.local_state_dict(), ck + ".twice", partial=True)
+shutil.copy(f"{ck}.twice_{smp.pp_rank()}", f"{ck}.first_{smp.pp_rank()}")
+step(3)
+smp.save(model.local_state_dict(), ck + ".twice", partial=True)
+later = model.state_dict()
+if smp.rank() == 0:
+    torch.save({"model": full, "opt": osd, "later": later}, opts["final"])
+"""
+
+
+def _plain():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3))
+
+
+def _merge_cli(*args):
+    import subprocess
+    from conftest import rank_env, free_port
+    return subprocess.run([PYTHON, "-m", "smp.checkpoint", "merge", *map(str, args)],
+                          capture_output=True, text=True, env=rank_env(0, 1, free_port()),
+                          timeout=120)
+
+
+def _assert_same_state(got, want, what):
+    assert list(sorted(got)) == list(sorted(want)), (what, sorted(got), sorted(want))
+    for k, v in want.items():
+        assert torch.equal(got[k], v), f"{what}: {k} differs"
+
+
+def test_merge_partial_save_loads_into_plain_module(tmp_path):
+    ck, final = str(tmp_path / "ck.pt"), str(tmp_path / "full.pt")
+    _run(MERGE_SAVE, 2, tmp_path, dict(ckpt=ck, final=final, opt="adam",
+                                       cfg={"partitions": 2, "microbatches": 2}))
+    want = torch.load(final)
+    # Parts in any order; nothing on stderr (no runpy warning either).
+    out = tmp_path / "merged.pt"
+    proc = _merge_cli(ck + "_1", ck + "_0", out)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    merged = torch.load(out)
+    plain, ref = _plain(), _plain()
+    plain.load_state_dict(merged)             # strict: exactly the plain module's keys
+    ref.load_state_dict(want["model"])
+    _assert_same_state(plain.state_dict(), want["model"], "merged model")
+    x = torch.randn(5, 8)
+    assert torch.equal(plain(x), ref(x))
+    # The function, from the name given to smp.save (the newest complete save).
+    _assert_same_state(smp.checkpoint.merge_partial(ck), want["model"], "merge_partial(name)")
+    # Model and optimizer in one save: --key picks an entry; the optimizer's by-name
+    # state converts to torch's positional format for a plain optimizer.
+    proc = _merge_cli("--key", "model", ck + ".both_0", ck + ".both_1", tmp_path / "m.pt")
+    assert proc.returncode == 0, proc.stderr
+    _assert_same_state(torch.load(tmp_path / "m.pt"), want["model"], "--key model")
+    both = smp.checkpoint.merge_partial([ck + ".both_0", ck + ".both_1"])
+    assert both["step"] == 3 and "_smp_is_partial" not in both["model"]
+    osd = smp.checkpoint.optimizer_to_torch(both["opt"], plain)
+    assert osd["param_groups"] == want["opt"]["param_groups"]
+    assert sorted(osd["state"]) == sorted(want["opt"]["state"])
+    for i, s in want["opt"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(osd["state"][i][k], v), f"optimizer state {i}.{k} differs"
+    popt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    popt.load_state_dict(osd)
+    # A second save under the same name: its parts merge; a part of each save does not.
+    _assert_same_state(smp.checkpoint.merge_partial([ck + ".twice_0", ck + ".twice_1"]),
+                       want["later"], "second save")
+
+
+def test_merge_errors_name_the_files(tmp_path):
+    d = str(tmp_path)
+    ck = d + "/ck.pt"
+    _run(MERGE_SAVE, 2, tmp_path, dict(ckpt=ck, final=d + "/full.pt", opt="sgd",
+                                       cfg={"partitions": 2, "microbatches": 2}))
+    out = d + "/out.pt"
+
+    def fails(*parts, words):
+        proc = _merge_cli(*parts, out)
+        assert proc.returncode == 1, proc
+        for w in words:
+            assert w in proc.stderr, (w, proc.stderr)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert not os.path.exists(out)
+        with pytest.raises(smp.CheckpointError):
+            smp.checkpoint.merge_partial(list(parts))
+        return proc.stderr
+
+    fails(ck + "_0", words=["missing part 1", f"'{ck}_1'"])
+    fails(ck + "_0", ck + "_0", words=["part 0", "given twice"])
+    fails(ck + "_0", ck + ".both_1", words=["parts of different checkpoints", f"'{ck}_0'",
+                                            f"'{ck}.both_1'"])
+    # Two saves of one name: the first save's part 0 beside the second save's part 1.
+    os.mkdir(d + "/mixed")
+    shutil.copy(ck + ".first_0", d + "/mixed/ck.pt_0")
+    shutil.copy(ck + ".twice_1", d + "/mixed/ck.pt_1")
+    fails(d + "/mixed/ck.pt_0", d + "/mixed/ck.pt_1",
+          words=[f"parts of different saves of '{d}/mixed/ck.pt'", "mixed save ids"])
+    # A corrupted part: checksums are verified before anything is merged.
+    shutil.copy(ck + "_0", d + "/bad_0")
+    shutil.copy(ck + "_1", d + "/bad_1")
+    with open(d + "/bad_1", "r+b") as f:
+        f.seek(1500)
+        b = f.read(1)
+        f.seek(1500)
+        f.write(bytes([b[0] ^ 0x10]))
+    fails(d + "/bad_0", d + "/bad_1", words=[f"'{d}/bad_1'", "checksum mismatch"])
+    with open(d + "/bad_0", "r+b") as f:
+        f.truncate(os.path.getsize(d + "/bad_0") - 10)
+    fails(d + "/bad_0", ck + "_1", words=[f"'{d}/bad_0'", "truncated"])
+    fails(d + "/nope_0", ck + "_1", words=[f"'{d}/nope_0'", "No such file"])
+    smp.save({"v": 1}, d + "/full_file.pt", partial=False)
+    fails(d + "/full_file.pt", ck + "_1", words=["is a full checkpoint", "torch.load"])
+
+
+# --- smp.save into a directory that does not exist -----------------------------------------
+
+SAVE_MISSING_DIR = r"""
+import json, os, sys, torch, smp
+opts = json.loads(sys.argv[1])
+smp.init({"partitions": 2, "timeout_s": 30})
+for partial in (True, False):
+    try:
+        smp.save({"w": torch.ones(3)}, opts["dir"] + "/nope/ck", partial=partial)
+        print("SAVED", flush=True)
+    except smp.CheckpointError as e:
+        print(f"ERROR partial={partial}:", e, flush=True)
+# The job goes on: the ranks' collectives stayed in step.
+smp.save({"w": torch.ones(3)}, opts["dir"] + "/ck", partial=True)
+print("OK", flush=True)
+"""
+
+
+def test_save_into_missing_directory_says_what_to_do_on_every_rank(tmp_path):
+    d = str(tmp_path)
+    # 4 ranks, pp=2 x dp=2: the writers (dp rank 0) and the dp replicas that skip the write.
+    res = _run(SAVE_MISSING_DIR, 4, tmp_path, dict(dir=d))
+    want = (f"smp.save: directory '{d}/nope' does not exist (saving '{d}/nope/ck'): create it "
+            f"before saving (os.makedirs('{d}/nope', exist_ok=True) on one rank, then "
+            "smp.barrier()), or pass a file name in an existing directory")
+    for r in res:
+        lines = r.stdout.splitlines()
+        assert lines == [f"ERROR partial=True: {want}", f"ERROR partial=False: {want}", "OK"], r
+    assert sorted(p for p in os.listdir(d) if p.startswith("ck")) == ["ck_0", "ck_1"]

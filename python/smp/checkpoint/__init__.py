@@ -63,7 +63,12 @@ def _manifest(partial, part, parts, save_id, save_time_ns):
 
 
 def _agree(value, what):
-    """Every pp-group member's `value` (a str error or None); raises the first error on all."""
+    """Every pp-group member's `value` (a str error or None); raises the first error on all.
+
+    `what` names the agreement point for readers of this code, not for users: the
+    message is the error itself, plus which pp ranks hit it when not all of them did
+    (the same text on every rank).
+    """
     if not core.is_initialized() or core.pp_size() == 1:
         values = [value]
     else:
@@ -71,8 +76,22 @@ def _agree(value, what):
     errors = [(r, v) for r, v in enumerate(values) if v is not None]
     if errors:
         r, msg = errors[0]
-        raise CheckpointError(f"{msg} ({what}; reported by pp rank {r})")
+        same = [q for q, v in errors if v == msg]
+        if len(same) < len(values):
+            ranks = ", ".join(map(str, same))
+            msg = f"{msg} (pp rank{'s' if len(same) > 1 else ''} {ranks})"
+        raise CheckpointError(msg)
     return values
+
+
+def _missing_directory(fn, path):
+    """The user's message when `path`'s directory does not exist, else None."""
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(d):
+        return None
+    return (f"smp.{fn}: directory '{d}' does not exist (saving '{path}'): create it before "
+            f"saving (os.makedirs('{d}', exist_ok=True) on one rank, then smp.barrier()), "
+            "or pass a file name in an existing directory")
 
 
 # --- pickling of comm hooks and their states ---------------------------------------------
@@ -180,7 +199,8 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
         v3: accepted for SMP 1.10 compatibility (tensor parallelism is not sharded here).
 
     Raises:
-        CheckpointError: a part could not be written (raised on every rank of the group).
+        CheckpointError: a part could not be written (raised on every rank of the group);
+            `f`'s directory does not exist (on every rank that calls, the same message).
         ValueError: a bad argument.
     """
     path = _check_path("save", f)
@@ -191,6 +211,9 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
                          "pickle_module, pickle_protocol, v3)")
     obj = _strip_comm_hook_state(obj)
     pp_rank, pp_size, dp_rank, _, _ = _topology()
+    missing = _missing_directory("save", path)
+    if missing and (not partial or dp_rank != 0):
+        raise CheckpointError(missing)  # the writers below agree on it first
     if not partial:
         m = _manifest(False, 0, 1, random.getrandbits(63), time.time_ns())
         tmp = _write_sealed(obj, path, m, pickle_module, pickle_protocol)
@@ -202,10 +225,11 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
     if pp_size > 1:
         save_id, t_ns = core.allgather((save_id, t_ns), core.CommGroup.PP_GROUP)[0]
     final = f"{path}_{pp_rank}"
-    tmp, err = None, None
+    tmp, err = None, missing
     try:
-        tmp = _write_sealed(obj, final, _manifest(True, pp_rank, pp_size, save_id, t_ns),
-                            pickle_module, pickle_protocol)
+        if err is None:
+            tmp = _write_sealed(obj, final, _manifest(True, pp_rank, pp_size, save_id, t_ns),
+                                pickle_module, pickle_protocol)
     except Exception as e:  # noqa: BLE001  (reported on every rank below)
         err = f"smp.save: writing '{final}' failed on pp rank {pp_rank}: {e}"
     _crash_point("after_seal")
@@ -484,3 +508,8 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
         content = load(uc, partial=False)
         return content.get("user_content") if isinstance(content, dict) else content
     return None
+
+
+# `smp.checkpoint.merge_partial` / `optimizer_to_torch` and `python -m smp.checkpoint
+# merge`: the parts of a partial save as one plain state dict (docs/checkpoint.md).
+from smp.checkpoint.merge import merge_partial, optimizer_to_torch  # noqa: E402,F401

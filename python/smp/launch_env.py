@@ -35,7 +35,7 @@ ConfigError = _C.ConfigError
 
 # smprun's default --master_port on several nodes (docs/launcher.md); srun and mpirun
 # start every rank at once, so no rank can pick a free port for the others.
-kDefaultMasterPort = 29500
+_DEFAULT_MASTER_PORT = 29500
 
 
 class WorldEnv:
@@ -88,7 +88,7 @@ def _int(env, name, why, default=None):
 
 
 def _master_port(env):
-    return _int(env, "MASTER_PORT", "", default=kDefaultMasterPort)
+    return _int(env, "MASTER_PORT", "", default=_DEFAULT_MASTER_PORT)
 
 
 def from_environment(env=None):

@@ -141,7 +141,8 @@ def test_srun_environment_builds_the_world(tmp_path):
     port = free_port()
     envs = [dict(SLURM_PROCID=r, SLURM_NTASKS=2, SLURM_LOCALID=r, SLURM_NODEID=0,
                  SLURM_NNODES=1, SLURM_TASKS_PER_NODE=2, SLURM_JOB_ID=77, SLURM_STEP_ID=0,
-                 SLURM_JOB_NODELIST="localhost", MASTER_PORT=port) for r in range(2)]
+                 SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            for r in range(2)]
     for rc, out, err in spawn(tmp_path, TRAIN, envs):
         assert rc == 0, out + err
         assert "ok rank" in out
@@ -200,6 +201,22 @@ def test_missing_launcher_variable_is_named(tmp_path, env, message):
     [(rc, out, err)] = spawn(tmp_path, ERROR_SCRIPT, [env], timeout=60)
     assert rc == 0, err
     assert out.strip() == message
+
+
+def test_busy_port_is_named(tmp_path):
+    """Rank 0 of an srun job cannot host the store on a port another program holds."""
+    import socket
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        [(rc, out, err)] = spawn(tmp_path, ERROR_SCRIPT, [dict(
+            SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_LOCALID=0, SLURM_NNODES=1, MASTER_PORT=port)],
+            timeout=60)
+    assert rc == 0, err
+    assert out.startswith(f"smp: rank 0 cannot host the store on port {port} ("), out
+    assert out.strip().endswith("another job or a launcher's own store holds it: set "
+                                "MASTER_PORT to a free port"), out
 
 
 def test_slurm_and_mpi_worlds_of_one_need_nothing_else(tmp_path):

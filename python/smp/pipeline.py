@@ -232,6 +232,7 @@ class Engine:
         self.counters.clear()
         self.epoch += 1
         self.p2p.begin_step(self.epoch)  # Note [Step epochs] in smp_core/p2p.h
+        timeline.begin_step()  # SMP_TIMELINE_STEPS counts the pipelined steps
         self.dispatch.begin_step(len(mb_inputs) if core.pp_rank() == 0 else self.cfg.microbatches)
         if core.pp_rank() == 0:
             return self._drive(fn, mb_inputs)
@@ -242,6 +243,7 @@ class Engine:
         the step, raises `exc`'s message; so does the driver."""
         self.epoch += 1
         self.p2p.begin_step(self.epoch)
+        timeline.begin_step()  # the owners count this step in run_step
         payload = error_payload(exc)
         for r in range(1, core.pp_size()):
             self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))

@@ -1,9 +1,12 @@
-"""SMP_TIMELINE (python/smp/timeline): the per-rank size bound, the merge tool.
+"""SMP_TIMELINE (python/smp/timeline): the per-rank bounds, the merge tool.
 
 - With a tiny SMP_TIMELINE_MAX_MB and many steps of a real 2-rank pp=2 job, each
   rank's file stays within the bound, is valid JSON as it is (closed array), ends with
-  the truncation marker, and the job runs on to its last step.
-- A bad SMP_TIMELINE_MAX_MB is a ConfigError naming the variable and the value.
+  the stop marker, and the job runs on to its last step.
+- SMP_TIMELINE_STEPS=a:b records exactly the steps a .. b-1 (the driver's microbatch
+  spans count (b - a) x microbatches) and closes the file after them.
+- A bad SMP_TIMELINE_MAX_MB or SMP_TIMELINE_STEPS is a ConfigError naming the variable
+  and the value.
 - `python3 -m smp.timeline` merges the ranks' files with nothing on stderr (no runpy
   RuntimeWarning: smp.timeline is a package run through its __main__).
 """
@@ -49,7 +52,7 @@ def test_size_bound_holds_and_file_stays_valid(ranks, tmp_path):
         text = path.read_text()
         assert len(text.encode()) <= bound, (r, len(text.encode()), bound)
         events = json.loads(text)  # valid as written: the array was closed
-        assert events[-1]["name"] == "smp timeline truncated", events[-3:]
+        assert events[-1]["name"] == "smp timeline stopped", events[-3:]
         assert "SMP_TIMELINE_MAX_MB" in events[-1]["args"]["reason"]
         assert sum(e["ph"] == "X" for e in events) > 10, events
     # The merge tool reads the bounded files; no warning, no other output on stderr.
@@ -61,18 +64,33 @@ def test_size_bound_holds_and_file_stays_valid(ranks, tmp_path):
     assert {e["pid"] for e in merged} == {0, 1}
 
 
-def test_bad_max_mb_is_a_config_error(tmp_path):
+def test_step_window_records_those_steps_only(ranks, tmp_path):
+    base = tmp_path / "tl"
+    res = ranks(SCRIPT, 2, args=("6",), timeout=180,
+                env={"SMP_TIMELINE": str(base), "SMP_TIMELINE_STEPS": "2:4"})
+    assert all("DONE" in r.stdout for r in res), res
+    for r in range(2):
+        events = json.loads((tmp_path / f"tl.rank{r}.json").read_text())
+        assert events[-1]["name"] == "smp timeline stopped", events[-3:]
+        assert "SMP_TIMELINE_STEPS: steps 2..3" in events[-1]["args"]["reason"]
+        assert sum(e["ph"] == "X" for e in events) > 0, events
+    driver = json.loads((tmp_path / "tl.rank0.json").read_text())
+    assert sum(e["name"] == "microbatch" for e in driver) == 2 * 2, driver  # 2 steps x 2 mb
+
+
+def test_bad_bounds_are_config_errors(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text("import smp\n"
                       "try:\n    smp.init({})\n"
                       "except smp.ConfigError as e:\n    print('CONFIG_ERROR', e)\n")
-    for value in ("lots", "0", "-3"):
-        env = rank_env(0, 1, free_port(), {"SMP_TIMELINE": str(tmp_path / "tl"),
-                                           "SMP_TIMELINE_MAX_MB": value})
+    cases = [("SMP_TIMELINE_MAX_MB", v, "is not a number > 0") for v in ("lots", "0", "-3")]
+    cases += [("SMP_TIMELINE_STEPS", v, "is not a step window 'a:b'") for v in ("5", "3:1", "x:2")]
+    for var, value, words in cases:
+        env = rank_env(0, 1, free_port(), {"SMP_TIMELINE": str(tmp_path / "tl"), var: value})
         out = subprocess.run([PYTHON, str(script)], capture_output=True, text=True, env=env,
                              timeout=120)
-        assert (f"CONFIG_ERROR smp: environment SMP_TIMELINE_MAX_MB='{value}' is not a number "
-                "> 0") in out.stdout, (value, out.stdout, out.stderr)
+        assert f"CONFIG_ERROR smp: environment {var}='{value}' {words}" in out.stdout, \
+            (value, out.stdout, out.stderr)
 
 
 def test_module_entry_point_usage_without_warning():

@@ -6,14 +6,17 @@ Events are complete events ("ph": "X") with the rank as pid and the microbatch t
 tid, so each rank is a process row and each microbatch a thread row. When the variable
 is unset, `span()` is a no-op context manager (no allocation on the hot path).
 
-Size bound: `SMP_TIMELINE_MAX_MB` (a number > 0, default 64) caps each rank's file.
-When the next event would cross it, the rank writes one last instant event, "smp
-timeline truncated", closes the array (the file is valid JSON from then on) and
-records nothing more; the job runs on. The file keeps the job's first steps (the
-partition, warm-up, then steady state: at ~350 KB/s a rank fills 64 MB in about three
-minutes of pipelined steps); a ring of the last steps would have to hold them in memory
-and rewrite the file, and it would be lost to a crash or a SIGKILL, which is when a
-trace is wanted most. See docs/pipeline.md, "Timeline".
+Bounds (see docs/pipeline.md, "Timeline"):
+- `SMP_TIMELINE_STEPS=a:b` records the pipelined steps a .. b-1 only (0-based: step 0
+  is the first `@smp.step` call, which also traces and partitions; `a:` has no end).
+  After step b-1 the file is closed.
+- `SMP_TIMELINE_MAX_MB` (a number > 0, default 64) caps each rank's file. When the
+  next event would cross it, the rank stops recording.
+Either way the rank writes one last instant event, "smp timeline stopped" (its reason
+names the variable), closes the array (the file is valid JSON from then on) and
+records nothing more; the job runs on. Stopping keeps the window chosen (or the job's
+first steps); a ring of the last steps would have to hold them in memory and rewrite
+the file, and would be lost to a crash or a SIGKILL, which is when a trace is wanted.
 """
 import contextlib
 import json
@@ -27,6 +30,7 @@ __all__ = []
 
 ENV = "SMP_TIMELINE"
 ENV_MAX_MB = "SMP_TIMELINE_MAX_MB"
+ENV_STEPS = "SMP_TIMELINE_STEPS"
 DEFAULT_MAX_MB = 64.0
 # Room kept for the closing instant event and "]": its text is well under this.
 _CLOSING_RESERVE = 512
@@ -51,6 +55,29 @@ def max_bytes_from_env():
     return max(1, int(mb * (1 << 20)))
 
 
+def steps_from_env():
+    """`SMP_TIMELINE_STEPS` as (first, end): steps first .. end-1; end None: no end.
+
+    Raises:
+        ConfigError: the value is not `a:b` with integers 0 <= a < b, or `a:`.
+    """
+    value = os.environ.get(ENV_STEPS, "").strip()
+    if not value:
+        return 0, None
+    first, sep, end = value.partition(":")
+    try:
+        a = int(first) if first.strip() else 0
+        b = int(end) if end.strip() else None
+        ok = sep == ":" and a >= 0 and (b is None or b > a)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise _C.ConfigError(f"smp: environment {ENV_STEPS}='{value}' is not a step window "
+                             "'a:b' (integers 0 <= a < b: steps a .. b-1, 0-based) or 'a:' "
+                             "(from step a on)")
+    return a, b
+
+
 class _Timeline:
     def __init__(self):
         self.path = None
@@ -60,20 +87,26 @@ class _Timeline:
         self.t0 = 0.0  # CLOCK_MONOTONIC is shared by the processes of a machine
         self.size = 0
         self.max_bytes = 0
-        self.truncated = False
+        self.first_step, self.end_step = 0, None
+        self.step = -1  # pipelined steps begun on this rank (begin_step)
+        self.recording = False
+        self.stopped = False
 
     def start(self, rank):
         """Opens `$SMP_TIMELINE.rank<rank>.json` when SMP_TIMELINE is set.
 
         Raises:
-            ConfigError: a bad SMP_TIMELINE_MAX_MB.
+            ConfigError: a bad SMP_TIMELINE_MAX_MB or SMP_TIMELINE_STEPS.
         """
         base = os.environ.get(ENV)
         if not base:
             return
         self.max_bytes = max_bytes_from_env()
+        self.first_step, self.end_step = steps_from_env()
         self.rank = rank
-        self.truncated = False
+        self.step = -1
+        self.recording = self.first_step == 0
+        self.stopped = False
         self.path = f"{base}.rank{rank}.json"
         self.file = open(self.path, "w")
         head = "[\n" + json.dumps({"name": "process_name", "ph": "M", "pid": rank,
@@ -96,7 +129,7 @@ class _Timeline:
             if self.file is None:
                 return
             if self.size + len(text) + _CLOSING_RESERVE > self.max_bytes:
-                self._close_locked(truncated_at=end)
+                self._close_locked(f"{ENV_MAX_MB}: {self.max_bytes} bytes reached", end)
                 return
             self.file.write(text)
             self.size += len(text)
@@ -110,19 +143,32 @@ class _Timeline:
             self.event(name, start, time.perf_counter(), mb, **args)
 
     def span(self, name, mb=None, **args):
-        if self.file is None:
+        if self.file is None or not self.recording:
             return contextlib.nullcontext()
         return self._span(name, mb, args)
 
-    def _close_locked(self, truncated_at=None):
+    def begin_step(self):
+        """A pipelined step begins on this rank (every pp rank calls it once per step,
+        from the step's main thread): applies SMP_TIMELINE_STEPS."""
+        if self.file is None:
+            return
+        self.step += 1
+        if self.end_step is not None and self.step >= self.end_step:
+            with self.lock:
+                if self.file is not None:
+                    self._close_locked(f"{ENV_STEPS}: steps {self.first_step}.."
+                                       f"{self.end_step - 1} recorded", time.perf_counter())
+            return
+        self.recording = self.step >= self.first_step
+
+    def _close_locked(self, stop_reason=None, at=None):
         tail = ""
-        if truncated_at is not None:
-            self.truncated = True
+        if stop_reason is not None:
+            self.stopped = True
             tail = ",\n" + json.dumps({
-                "name": "smp timeline truncated", "ph": "i", "s": "g", "pid": self.rank,
-                "tid": "smp", "ts": (truncated_at - self.t0) * 1e6,
-                "args": {"reason": f"{ENV_MAX_MB}: {self.max_bytes} bytes reached; "
-                                   "no events recorded after this"}})
+                "name": "smp timeline stopped", "ph": "i", "s": "g", "pid": self.rank,
+                "tid": "smp", "ts": (at - self.t0) * 1e6,
+                "args": {"reason": f"{stop_reason}; no events recorded after this"}})
         self.file.write(tail + "\n]\n")
         self.size += len(tail) + 3
         self.file.close()

@@ -33,10 +33,9 @@ import torch
 
 from smp import _C
 from smp.checkpoint import _PARTIAL_KEY, CheckpointError, _merge, _unpickle
+from smp.optimizer import _BY_NAME
 
 __all__ = []
-
-_BY_NAME = "_smp_by_name"
 
 
 def _strip_partial(obj):
@@ -66,7 +65,8 @@ def merge_partial(paths, map_location=None):
     Raises:
         CheckpointError: a missing, truncated or altered part (checksums), a full file
             among the parts, parts of different saves or checkpoints, a part given twice
-            or missing, or parts that do not hold dicts; the message names the files.
+            or missing, or several parts that do not hold dicts; the message names the
+            files.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -76,9 +76,9 @@ def merge_partial(paths, map_location=None):
     parts = _C.checkpoint_read_parts(paths)  # ordered, every byte verified
     objs = [_unpickle(records, map_location, pickle, {}) for _, records in parts]
     kinds = sorted({type(o).__name__ for o in objs if not isinstance(o, dict)})
-    if kinds:
-        raise CheckpointError(f"smp: merge: the parts of {paths[0]!r}.. hold {', '.join(kinds)}, "
-                              "not dicts: there is nothing to merge by key (torch.load each part)")
+    if kinds and len(objs) > 1:
+        raise CheckpointError(f"smp: merge: the parts {paths} hold {', '.join(kinds)}, not "
+                              "dicts: there is nothing to merge by key (torch.load each part)")
     return _strip_partial(_merge(objs))
 
 

@@ -21,6 +21,7 @@ The SLURM rules for the rank 0 host are smprun's (``first_slurm_host`` in
 launcher/scheduler_env.cpp): the first host of the nodelist, or 127.0.0.1 on one node,
 and ``MASTER_PORT`` defaults to smprun's several-node default, 29500.
 """
+import itertools
 import os
 import re
 from datetime import timedelta
@@ -248,22 +249,33 @@ def rendezvous(world_env, timeout_s, wait_for_listener):
     Raises:
         ConfigError: rank 0 cannot host the store on MASTER_PORT (the port is taken).
     """
-    timeout = timedelta(seconds=timeout_s)
     e = world_env
     if e.world_size == 1:
         return dist.HashStore()
+    key = (e.source, e.rank, e.world_size, e.master_addr, e.master_port, e.key_prefix)
+    if key not in _stores:
+        _stores[key] = _connect(e, timeout_s, wait_for_listener)
+    store = _stores[key]
+    store.set_timeout(timedelta(seconds=timeout_s))
+    # See Note [Re-initialisation].
+    generation = next(_generations)
+    prefix = e.key_prefix + (f"smp/init_{generation}/" if generation else "")
+    return dist.PrefixStore(prefix, store) if prefix else store
+
+
+def _connect(e, timeout_s, wait_for_listener):
+    timeout = timedelta(seconds=timeout_s)
     if e.source == "torchelastic":
         # Agent store: every worker is a client, under /worker/attempt_{restart}; c10d
         # rendezvous: rank 0 hosts at the agent's MASTER_ADDR:MASTER_PORT.
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-        store.set_timeout(timeout)
         return store
     if e.rank != 0:
         wait_for_listener(e.master_addr, e.master_port, timeout_s)
     try:
         # No waiting for workers here: the config exchange names any rank that is missing.
-        store = dist.TCPStore(e.master_addr, e.master_port, e.world_size, e.rank == 0,
-                              timeout, wait_for_workers=False)
+        return dist.TCPStore(e.master_addr, e.master_port, e.world_size, e.rank == 0,
+                             timeout, wait_for_workers=False)
     except RuntimeError as exc:
         if e.rank == 0 and "in use" in str(exc):
             raise ConfigError(
@@ -271,6 +283,13 @@ def rendezvous(world_env, timeout_s, wait_for_listener):
                 "another job or a launcher's own store holds it: set MASTER_PORT to a free "
                 "port") from exc
         raise
-    if e.key_prefix:
-        store = dist.PrefixStore(e.key_prefix, store)
-    return store
+
+
+# Note [Re-initialisation]: smp.init after smp.shutdown in the same processes (every
+# rank does both, so they count alike) keeps the job's store: rank 0 hosting a new one
+# on the same port would race with peers still connected to the old one, and torchrun's
+# agent store outlives any init anyway. So the connection is made once per process and
+# kept, and each init after the first works under its own key prefix, never meeting
+# the previous init's keys.
+_stores = {}
+_generations = itertools.count()

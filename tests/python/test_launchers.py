@@ -18,7 +18,8 @@ _LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "TORCHELASTIC_", "PMI_")
 
 # Two ranks, ddp: each trains on its half of every batch; the plain module trains on the
 # whole batch in the same process. Replicas must end equal to each other (bitwise) and
-# to the plain module. On attempt 0 of a restarted run, rank 1 fails after one step.
+# to the plain module; then smp is shut down and initialised again. On attempt 0 of a
+# restarted run, rank 1 fails after one step.
 TRAIN = r"""
 import copy, os, sys
 import torch, torch.nn as nn
@@ -57,6 +58,10 @@ for other in smp.allgather(mine):
         assert torch.equal(a, b), "replicas differ"
 for (name, p), q in zip(net.named_parameters(), ref.parameters()):
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+# Initialising again in the same processes meets none of the first init's keys.
+smp.shutdown()
+smp.init({"timeout_s": 60, "microbatches": 3})
+assert smp.allgather(smp.rank()) == [0, 1]
 print(f"ok rank {smp.rank()} attempt {attempt} {os.environ.get('TORCHELASTIC_USE_AGENT_STORE')}",
       flush=True)
 """

@@ -24,13 +24,6 @@ std::optional<int> get_int(const EnvMap& env, const std::string& key) {
   return value ? parse_int(*value) : std::nullopt;
 }
 
-// Leading decimal number of `text` ("4(x2),2" -> 4); nullopt if it does not start with one.
-std::optional<int> leading_int(const std::string& text) {
-  size_t n = 0;
-  while (n < text.size() && text[n] >= '0' && text[n] <= '9') ++n;
-  return n == 0 ? std::nullopt : parse_int(text.substr(0, n));
-}
-
 // Splits at commas that are not inside [...]; nullopt on unbalanced brackets.
 std::optional<std::vector<std::string>> split_top_level(const std::string& text) {
   std::vector<std::string> parts;
@@ -127,6 +120,30 @@ std::vector<std::string> expand_slurm_nodelist(const std::string& nodelist) {
   return hosts;
 }
 
+std::optional<int> slurm_tasks_on_node(const std::string& counts, int node) {
+  // The whole list is checked, not only the part up to `node`.
+  std::optional<int> found;
+  long first = 0;  // index of the first node of the current item
+  size_t pos = 0;
+  while (pos <= counts.size()) {
+    size_t end = counts.find(',', pos);
+    if (end == std::string::npos) end = counts.size();
+    std::string item = counts.substr(pos, end - pos);
+    size_t paren = item.find("(x");
+    auto tasks = parse_int(item.substr(0, paren));
+    std::optional<int> times = 1;
+    if (paren != std::string::npos) {
+      if (item.back() != ')') return std::nullopt;
+      times = parse_int(item.substr(paren + 2, item.size() - paren - 3));
+    }
+    if (!tasks || !times || *tasks < 0 || *times < 1) return std::nullopt;
+    if (node >= first && node < first + *times) found = tasks;
+    first += *times;
+    pos = end + 1;
+  }
+  return found;
+}
+
 std::string first_slurm_host(const std::string& nodelist) {
   auto items = split_top_level(nodelist);
   if (!items || items->empty()) return "";
@@ -143,7 +160,11 @@ SchedulerDefaults slurm_defaults(const EnvMap& env) {
   d.nnodes = get_int(env, "SLURM_NNODES");
   if (!d.nnodes) d.nnodes = get_int(env, "SLURM_JOB_NUM_NODES");
   d.node_rank = get_int(env, "SLURM_NODEID");
-  if (auto tasks = get(env, "SLURM_NTASKS_PER_NODE")) d.nproc_per_node = leading_int(*tasks);
+  // A plain "4" holds for every node; a compressed "4(x2),2" gives 2 on node 2.
+  if (auto tasks = get(env, "SLURM_NTASKS_PER_NODE")) {
+    d.nproc_per_node = parse_int(*tasks);
+    if (!d.nproc_per_node) d.nproc_per_node = slurm_tasks_on_node(*tasks, d.node_rank.value_or(0));
+  }
   auto nodelist = get(env, "SLURM_JOB_NODELIST");
   if (!nodelist) nodelist = get(env, "SLURM_NODELIST");
   if (nodelist) {

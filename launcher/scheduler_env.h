@@ -68,6 +68,11 @@ std::vector<std::string> expand_slurm_nodelist(const std::string& nodelist);
 // First host of a SLURM hostlist without expanding all of it; empty if malformed.
 std::string first_slurm_host(const std::string& nodelist);
 
+// Tasks on node `node` (0-based) from SLURM's compressed per-node counts
+// (SLURM_TASKS_PER_NODE "2(x3),1" -> 2, 2, 2, 1); nullopt if malformed or `node` is
+// outside the list. Also used by smp.init under srun (python/smp/launch_env.py).
+std::optional<int> slurm_tasks_on_node(const std::string& counts, int node);
+
 // Parses a whole string as a decimal int; nullopt on junk, sign errors or overflow.
 std::optional<int> parse_int(const std::string& text);
 

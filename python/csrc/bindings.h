@@ -10,4 +10,5 @@ void bind_reducer(pybind11::module_& m);    // gradient reducer, GradBucket, com
 void bind_checkpoint(pybind11::module_& m);  // checkpoint files (CheckpointError, Manifest)
 void bind_powersgd(pybind11::module_& m);    // PowerSGD hook state
 void bind_model(pybind11::module_& m);       // DistributedModel's checks (fingerprints)
+void bind_launcher(pybind11::module_& m);    // launcher/'s SLURM parsing (smp.init under srun)
 }  // namespace smp::python

@@ -17,13 +17,13 @@ that inherit the batch step's ``SLURM_PROCID=0`` and ``SLURM_NTASKS``; the
 ``OMPI_COMM_WORLD_*`` variables are the ones mpirun set for this very process, so they
 win. ``srun`` never sets ``OMPI_COMM_WORLD_*``.
 
-The SLURM rules for the rank 0 host are smprun's (``first_slurm_host`` in
+The SLURM rules for the rank 0 host and the tasks per node are smprun's, by its own
+parser bound into smp._C (``first_slurm_host``, ``slurm_tasks_on_node`` in
 launcher/scheduler_env.cpp): the first host of the nodelist, or 127.0.0.1 on one node,
 and ``MASTER_PORT`` defaults to smprun's several-node default, 29500.
 """
 import itertools
 import os
-import re
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -194,47 +194,19 @@ def _slurm(env):
 
 
 def _tasks_on_node(text, node, name):
-    """Tasks on node `node` from SLURM's compressed per-node counts ("2(x3),1")."""
-    counts = []
-    for item in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
-        if not m:
-            raise ConfigError(f"smp: cannot parse {name}='{text}' (expected e.g. 2(x3),1)")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
-    if not 0 <= node < len(counts):
-        raise ConfigError(f"smp: SLURM_NODEID={node} is outside {name}='{text}' "
-                          f"({len(counts)} nodes)")
-    return counts[node]
+    """Tasks on node `node` from SLURM's compressed per-node counts ("2(x3),1"), by
+    smprun's own parser (launcher/scheduler_env.cpp, bound as smp._C)."""
+    count = _C.slurm_tasks_on_node(text, node)
+    if count is None:
+        raise ConfigError(f"smp: cannot use {name}='{text}' for SLURM_NODEID={node} "
+                          "(expected per-node counts like 2(x3),1 covering every node)")
+    return count
 
 
 def first_slurm_host(nodelist):
-    """First host of a SLURM hostlist, as smprun's `first_slurm_host`
-    (launcher/scheduler_env.cpp): "node[01-04,07],gpu5" -> "node01",
-    "rack[1-2]-n[1,3]" -> "rack1-n1". Returns "" when malformed."""
-    depth, end = 0, len(nodelist)
-    for i, c in enumerate(nodelist):
-        depth += c == "["
-        depth -= c == "]"
-        if depth < 0:
-            return ""
-        if c == "," and depth == 0:
-            end = i
-            break
-    item = nodelist[:end].strip()
-    out = []
-    while item:
-        m = re.match(r"([^\[\]]*)\[([^\]]*)\](.*)$", item)
-        if not m:
-            if "[" in item or "]" in item:
-                return ""
-            out.append(item)
-            break
-        first = m.group(2).split(",")[0].split("-")[0].strip()
-        if not first.isdigit():
-            return ""
-        out += [m.group(1), first]
-        item = m.group(3)
-    return "".join(out)
+    """First host of a SLURM hostlist by smprun's own parser ("node[01-04,07],gpu5" ->
+    "node01", "rack[1-2]-n[1,3]" -> "rack1-n1"); "" when malformed."""
+    return _C.first_slurm_host(nodelist)
 
 
 def rendezvous(world_env, timeout_s, wait_for_listener):

@@ -145,5 +145,20 @@ TEST(ParseInt, StrictDecimal) {
     EXPECT_FALSE(parse_int(bad)) << bad;
 }
 
+TEST(SlurmTasksOnNode, CompressedCountsPerNode) {
+  // SLURM_TASKS_PER_NODE "2(x3),1": nodes 0-2 run 2 tasks, node 3 runs 1.
+  for (int node = 0; node < 3; ++node) EXPECT_EQ(slurm_tasks_on_node("2(x3),1", node), 2);
+  EXPECT_EQ(slurm_tasks_on_node("2(x3),1", 3), 1);
+  EXPECT_EQ(slurm_tasks_on_node("4", 0), 4);
+  EXPECT_FALSE(slurm_tasks_on_node("2(x3),1", 4));  // outside the list
+  EXPECT_FALSE(slurm_tasks_on_node("4", -1));
+  for (const char* bad : {"", "x", "2(x", "2(x0)", "2(3)", "2,,1", "-1"})
+    EXPECT_FALSE(slurm_tasks_on_node(bad, 0)) << bad;
+  // smprun takes this node's count, not the first node's.
+  SchedulerDefaults d = slurm_defaults(
+      {{"SLURM_JOB_ID", "1"}, {"SLURM_NODEID", "3"}, {"SLURM_NTASKS_PER_NODE", "2(x3),1"}});
+  EXPECT_EQ(d.nproc_per_node, 1);
+}
+
 }  // namespace
 }  // namespace smp::launcher

@@ -38,6 +38,11 @@ try:
         model(x).pow(2).sum().backward()
     elif mode == "inside":
         bad(x)
+    elif mode == "rewrap":  # the first model's hooks go with smp.shutdown()
+        smp.shutdown()
+        smp.init({"ddp": True, "partitions": partitions, "timeout_s": 60})
+        model = smp.DistributedModel(net)
+        good(x); opt.step()
     else:
         good(x); opt.step()
     print("NO ERROR")
@@ -73,7 +78,8 @@ def test_loss_backward_in_a_pipelined_step_raises_on_every_rank(ranks):
         assert "ERR " + INSIDE.format(r=driver, p="0.bias") in r.stdout, r
 
 
-def test_autograd_grad_inside_a_step_is_not_a_stray_gradient(ranks):
-    res = ranks(SCRIPT, 2, args=("autograd_grad", "1"))
+@pytest.mark.parametrize("mode", ["autograd_grad", "rewrap"])
+def test_smp_backward_and_autograd_grad_are_not_stray_gradients(ranks, mode):
+    res = ranks(SCRIPT, 2, args=(mode, "1"))
     for r in res:
         assert "NO ERROR" in r.stdout, r

@@ -91,11 +91,16 @@ def _protocol(pg):
     return held[1]
 
 
-def _early_termination_error(n_joined, proto):
-    return RuntimeError(
-        f"smp.join: {n_joined} of {proto.size} ranks of the dp process group ran out of "
-        f"inputs by join iteration {proto.iteration} and throw_on_early_termination=True: "
-        "every rank raises this error")
+# torch 1.13's texts (torch/distributed/algorithms/join.py), so code written against
+# torch's Join matches them: the rank that ran out names itself by its group rank, the
+# others raise the "detected" text.
+def _exhausted_error(proto):
+    return RuntimeError(f"Rank {proto.rank} exhausted all inputs.")
+
+
+def _detected_error():
+    return RuntimeError("Detected at least one rank that exhausted inputs. "
+                        "Throwing across all ranks.")
 
 
 class Join:
@@ -112,7 +117,10 @@ class Join:
     Raises:
         ValueError: no joinables, joinables on different process groups, or no
             joinable that notifies the context each step (a DistributedOptimizer alone).
-        RuntimeError: with throw_on_early_termination, once a rank has run out.
+        RuntimeError: with throw_on_early_termination, once a rank has run out: on that
+            rank "Rank R exhausted all inputs." (R its rank in the group), on the others
+            "Detected at least one rank that exhausted inputs. Throwing across all
+            ranks." (torch's texts).
     """
 
     def __init__(self, joinables, enable=True, throw_on_early_termination=False, **kwargs):
@@ -186,8 +194,8 @@ class Join:
                     if model is not None:
                         _pp_announce(model, "shadow")
                     if self._throw_on_early_termination:
-                        n = proto.check_early_termination(True)
-                        raise _early_termination_error(n, proto)
+                        proto.check_early_termination(True)  # tells the active ranks
+                        raise _exhausted_error(proto)
                     for hook in self._join_hooks:
                         hook.main_hook()
                     is_last_joiner = False
@@ -200,7 +208,8 @@ class Join:
     def _joined_iteration(self, proto):
         """A pipeline peer's shadow iteration, after its count_not_joined."""
         if self._throw_on_early_termination:
-            raise _early_termination_error(proto.check_early_termination(True), proto)
+            proto.check_early_termination(True)
+            raise _exhausted_error(proto)
         for hook in self._join_hooks:
             hook.main_hook()
 
@@ -229,10 +238,8 @@ class Join:
             return None
         proto = _protocol(joinable.join_process_group)
         active = proto.notify_not_joined()
-        if cfg.throw_on_early_termination:
-            n = proto.check_early_termination(False)
-            if n:
-                raise _early_termination_error(n, proto)
+        if cfg.throw_on_early_termination and proto.check_early_termination(False):
+            raise _detected_error()
         return active
 
 

@@ -186,11 +186,23 @@ def test_enable_false_even_inputs(ranks):
     _run(ranks, 2, {"counts": [3, 3], "enable": False})
 
 
+_EXHAUSTED = "Rank 0 exhausted all inputs."  # torch 1.13's texts
+_DETECTED = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+
+
 def test_throw_on_early_termination(ranks):
+    # dp rank 0 has 4 batches, dp rank 1 has 6: rank 0 runs out first.
     res = _run(ranks, 2, {"throw": True, "torch_ref": False})
     lines = [r.stdout.split("RAISED", 1)[1].strip() for r in res]
-    assert lines[0] == lines[1], lines  # one message, on every rank
-    assert "ran out of inputs" in lines[0] and "throw_on_early_termination=True" in lines[0]
+    assert lines == [_EXHAUSTED, _DETECTED], lines
+
+
+def test_throw_on_early_termination_pipeline(ranks):
+    # pp=2 x dp=2: replica 0 (ranks 0, 1; dp rank 0) runs out; both its pp ranks raise
+    # the exhausted text, both ranks of replica 1 the detected one.
+    res = _run(ranks, 4, {"throw": True, "torch_ref": False, "partitions": 2})
+    lines = [r.stdout.split("RAISED", 1)[1].strip() for r in res]
+    assert lines == [_EXHAUSTED, _EXHAUSTED, _DETECTED, _DETECTED], lines
 
 
 def test_pipeline_two_by_two_uneven(ranks):

@@ -73,6 +73,7 @@ class Engine:
         self.owned = {}        # module name -> module (served here)
         self.subtrees = {}     # module name -> its subtree's modules (mode flags)
         self.records = {}      # (caller, mb, call id) -> (input leaves, outputs)
+        self.own_errors = []   # this step's exceptions raised here while serving
         self.counters = {}     # mb -> next call id
         self.lock = threading.Lock()
         self.epoch = 0
@@ -140,7 +141,7 @@ class Engine:
         msg = self.dispatch.wait(mb, call_id, int(kind), bool(_task.backward) or foreign, what,
                                  foreign)
         if msg.kind == K.ERROR or msg.kind == K.ABORT:
-            raise_remote(msg.meta)
+            raise_remote(msg.meta, self.own_error)
         return msg
 
     def call(self, name, owner, args, kwargs):
@@ -177,6 +178,7 @@ class Engine:
                 return self.serve(msg)
         except BaseException as exc:  # the caller re-raises it with our traceback
             self.records.pop((msg.src, msg.mb, msg.call_id), None)
+            self.own_errors.append(exc)  # See Note [One traceback per error]
             return _C.Message(msg.mb, msg.call_id, K.ERROR, error_payload(exc), [])
         finally:
             _task.mb, _task.backward = prev
@@ -230,6 +232,7 @@ class Engine:
         """Runs one step; returns (per-microbatch results, whether backward ran) on
         every pp rank (the driver sends both with STEP_END)."""
         self.counters.clear()
+        self.own_errors = []
         self.epoch += 1
         self.p2p.begin_step(self.epoch)  # Note [Step epochs] in smp_core/p2p.h
         timeline.begin_step()  # SMP_TIMELINE_STEPS counts the pipelined steps
@@ -294,10 +297,21 @@ class Engine:
             self.workers.wait_idle(self.cfg.timeout_s)
             self.records.clear()
         if msg.kind == K.ABORT:
-            exc, text = remote_exception(msg.meta)
+            exc, text, origin = remote_exception(msg.meta)
             self.log_failure(exc)
+            mine = self.own_error(exc) if origin == core.rank() else None
+            if mine is not None:
+                raise mine  # See Note [One traceback per error]
             raise exc from RemoteTraceback(text)
         return pickle.loads(msg.meta)
+
+    def own_error(self, exc):
+        """The exception this rank raised while serving that `exc` (received back from
+        the driver) is a copy of, or None."""
+        for mine in self.own_errors:
+            if type(mine) is type(exc) and str(mine) == str(exc):
+                return mine
+        return None
 
     # "simple": every microbatch's forward finishes before any backward starts (C++).
     def forward_finished(self, mb):

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "smp_core/call_agreement.h"
 #include "smp_core/comm.h"
 #include "smp_core/config.h"
 #include "smp_core/errors.h"
@@ -32,6 +33,25 @@ ProcessGroupPtr group_of(const std::string& name) {
   if (name == "pp" || name == "mp") return g.pp;
   if (name == "dp") return g.dp;
   throw std::invalid_argument("smp: unknown group '" + name + "' (allowed: world, pp, mp, dp)");
+}
+
+// The group's kind as CallAgreement names it ("mp" is the pp group) and its global ranks.
+std::pair<std::string, std::vector<int>> members_of(const std::string& name) {
+  const Runtime& rt = runtime();
+  if (name == "world") {
+    std::vector<int> all(rt.topology().world_size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
+    return {"world", all};
+  }
+  if (name == "pp" || name == "mp") return {"pp", rt.topology().pp_group(rt.rank())};
+  if (name == "dp") return {"dp", rt.topology().dp_group(rt.rank())};
+  throw std::invalid_argument("smp: unknown group '" + name + "' (allowed: world, pp, mp, dp)");
+}
+
+// See Note [Call agreement]: every member is about to make `call` on the group.
+void agree(const std::string& group, const std::string& call) {
+  auto [kind, members] = members_of(group);
+  call_agreement().agree(kind, members, call);
 }
 
 }  // namespace
@@ -102,21 +122,33 @@ void bind_core(py::module_& m) {
     }
     return py::bytes(s);
   });
-  m.def("allgather_bytes", [](const std::string& group, const py::bytes& b) {
+  // `call`: the user-facing API call these collectives serve ("model.state_dict()"),
+  // agreed on by the group's members first (Note [Call agreement]).
+  m.def("allgather_bytes", [](const std::string& group, const py::bytes& b,
+                              const std::string& call) {
     std::string s = b;
     std::vector<std::string> out;
     {
       py::gil_scoped_release nogil;
+      agree(group, call);
       out = allgather_bytes(group_of(group), s, runtime().config().timeout_s,
-                            "smp.allgather on the " + group + " group");
+                            call + " (an allgather on the " + group + " group)");
     }
     py::list l;
     for (auto& x : out) l.append(py::bytes(x));
     return l;
   });
-  m.def("barrier", [](const std::string& group) {
-    barrier(group_of(group), runtime().config().timeout_s, "smp.barrier on the " + group + " group");
+  m.def("barrier", [](const std::string& group, const std::string& call) {
+    agree(group, call);
+    barrier(group_of(group), runtime().config().timeout_s,
+            call + " (a barrier on the " + group + " group)");
   }, release());
+  m.def("agree_call", &agree, release(), py::arg("group"), py::arg("call"),
+        "Before a torch collective on an smp group: every member is about to make `call`.");
+  m.def("mark_exited", [](const std::string& how, double linger_s) {
+    if (is_initialized()) call_agreement().mark_exited(how, linger_s);
+  }, release(), py::arg("how"), py::arg("linger_s"),
+        "At exit: tells ranks waiting in an smp call for this one that it is gone.");
 }
 
 }  // namespace smp::python

@@ -14,6 +14,8 @@ import itertools
 import json
 import os
 import pickle
+import sys
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -433,12 +435,73 @@ def _to_global(r, rank_type):
     return members[r]
 
 
+# Note [Naming the call]: every smp collective on a group first checks, through the
+# store, that every member is about to make the same user-facing call (Note [Call
+# agreement] in smp_core/call_agreement.h); errors name that call. The outermost
+# `api_call` on the thread names it (model.state_dict() runs allgathers inside);
+# without one, the collective's own name ("smp.barrier(WORLD)").
+_api_call = threading.local()
+
+
+@contextlib.contextmanager
+def api_call(name):
+    """Names the user-facing call whose collectives run inside (the outermost wins);
+    also a decorator: `@core.api_call("smp.save()")`."""
+    outer = getattr(_api_call, "name", None)
+    if outer is None:
+        _api_call.name = name
+    try:
+        yield
+    finally:
+        if outer is None:
+            _api_call.name = None
+
+
+def _call_name(default):
+    return getattr(_api_call, "name", None) or default
+
+
+def agree_call(group, default):
+    """Before a torch collective on an smp group (e.g. dist.gather_object): every member
+    of `group` is about to make the same call (see Note [Naming the call]).
+
+    Raises:
+        CommError: a member made another call, waits in a call on another group, or
+            exited (named, on every waiting rank).
+        SMPTimeoutError: a member did not arrive within timeout_s.
+    """
+    name = _group_name(group)
+    if name != "tp":
+        _C.agree_call(name, _call_name(default))
+
+
+def _mark_exited():
+    """atexit: ranks waiting for this one in an smp call raise at once, naming how it
+    ended; rank 0 (the store's host under smprun) lingers briefly so they can read it."""
+    if not state.initialized:
+        return
+    exc = getattr(sys, "last_value", None)
+    how = "exited" if exc is None else f"failed ({type(exc).__name__}: {exc})"
+    try:
+        _C.mark_exited(how, 5.0 if state.rank == 0 else 0.0)
+    except Exception:  # the store is gone: nobody is left to read it
+        pass
+
+
+atexit.register(_mark_exited)
+
+
 def barrier(group=CommGroup.WORLD):
-    """Blocks until every member of `group` arrives (bounded by timeout_s)."""
+    """Blocks until every member of `group` arrives (bounded by timeout_s).
+
+    Raises:
+        CommError: a member made another smp call instead, or exited (named).
+        SMPTimeoutError: a member did not arrive within timeout_s.
+    """
     _require_init()
     name = _group_name(group)
     if name != "tp":
-        _C.barrier(name)
+        _C.barrier(name, _call_name(f"smp.barrier({group.name})"))
 
 
 def pp_barrier():
@@ -480,12 +543,15 @@ def allgather(obj, group=CommGroup.WORLD):
     name = _group_name(group)
     if name == "tp":
         return [obj]
-    return [pickle.loads(b) for b in _C.allgather_bytes(name, pickle.dumps(obj, protocol=4))]
+    call = _call_name(f"smp.allgather({group.name})")
+    return [pickle.loads(b) for b in _C.allgather_bytes(name, pickle.dumps(obj, protocol=4),
+                                                        call)]
 
 
 def gather(obj, group=CommGroup.WORLD, rank=0):
     """Returns the members' objects in group-rank order on group rank `rank`, else None."""
-    values = allgather(obj, group)
+    with api_call(f"smp.gather({group.name})"):
+        values = allgather(obj, group)
     me = _members(group).index(state.rank)
     return values if me == rank else None
 

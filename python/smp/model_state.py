@@ -62,6 +62,7 @@ def gather_to_pp0(obj):
     group = core.get_pp_process_group()
     dst = core.get_pp_group()[0]
     out = [None] * core.pp_size() if core.pp_rank() == 0 else None
+    core.agree_call(core.CommGroup.PP_GROUP, "smp.gather(PP_GROUP)")
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
 
@@ -116,6 +117,7 @@ class ModelStateMixin:
         sd[PARTIAL_KEY] = core.pp_size() > 1
         return sd
 
+    @core.api_call("model.state_dict()")  # Note [Naming the call] in smp/core.py
     def state_dict(self, *args, gather_to_rank0=False, cast_to_cpu=True, **kwargs):
         """The full model's state dict, with exactly the plain module's keys.
 
@@ -147,6 +149,7 @@ class ModelStateMixin:
         return collections.OrderedDict((k, merged[k]) for k in self._state_tensors
                                        if k in merged)
 
+    @core.api_call("model.load_state_dict()")
     def load_state_dict(self, state_dict, strict=True, same_partition_load=False):
         """Loads a full or a partial state dict, before or after partitioning.
 

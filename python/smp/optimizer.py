@@ -75,6 +75,7 @@ def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
     return sd
 
 
+@core.api_call("optimizer.state_dict()")  # Note [Naming the call] in smp/core.py
 def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
     if _local_ids() is None:
         return self._smp_orig_state_dict()
@@ -95,6 +96,7 @@ def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
             "param_groups": groups}
 
 
+@core.api_call("optimizer.load_state_dict()")
 def _load_state_dict(self, state_dict):
     if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
         raise ValueError("smp: DistributedOptimizer.load_state_dict: not an optimizer state "

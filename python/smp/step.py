@@ -166,7 +166,9 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
             # Raised on every rank that shares the step, not only here (a pp rank other
             # than the driver does not use its inputs: it serves the driver's step).
             mb_inputs, input_error = None, exc
-        per_mb = model._run_step(fn, mb_inputs, input_error)
+        # Names the first step's agreement collectives in errors (Note [Naming the call]).
+        with core.api_call(f"the @smp.step function {fn.__name__}()"):
+            per_mb = model._run_step(fn, mb_inputs, input_error)
         return collect_outputs(per_mb, detach_outputs)
 
     wrapper.smp_step = True

@@ -186,6 +186,7 @@ def _write_sealed(obj, final, manifest, pickle_module, pickle_protocol):
     return tmp
 
 
+@core.api_call("smp.save()")  # Note [Naming the call] in smp/core.py
 def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False, **kwargs):
     """Saves `obj` atomically to `f` (full) or `f"{f}_{pp_rank}"` (partial).
 
@@ -343,6 +344,7 @@ def _merge_param_groups(lists):
     return out
 
 
+@core.api_call("smp.load()")
 def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=False,
          **pickle_load_args):
     """Loads what smp.save wrote, after verifying every byte of what it reads.
@@ -387,6 +389,7 @@ def _partial_dir(path, tag):
     return os.path.join(path, f"{tag}_partial")
 
 
+@core.api_call("smp.save_checkpoint()")
 def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_content=None,
                     translate_if_full=True, num_kept_partial_checkpoints=None):
     """Saves model, optimizer and user content under `path` (SMP 1.10).
@@ -458,6 +461,7 @@ def _prune(path, keep):
         shutil.rmtree(full, ignore_errors=True)
 
 
+@core.api_call("smp.resume_from_checkpoint()")
 def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optimizer=True,
                            load_sharded_optimizer_state=True, translate_function=None):
     """Loads what save_checkpoint wrote (SMP 1.10); returns the user content.

@@ -219,12 +219,21 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
       throw CommError(str_cat("smp: the reducer of ", group,
                               " is unusable after an earlier failure: ", broken));
   }
-  // A rank that ran out of data while its peers go on leaves them waiting: a timeout
-  // of a step says so.
+  // A rank that ran out of data while its peers go on leaves them waiting, or exits
+  // under them: a timeout of a step, or a peer that exited or closed its connections
+  // in one, says what to do about uneven inputs.
   [[noreturn]] static void rethrow_with_hint(const std::exception& e) {
+    static const char* kHint =
+        " (if the ranks have different numbers of batches (uneven inputs), train inside "
+        "`with model.join():` or `with smp.join.Join([model, optimizer]):`)";
     if (dynamic_cast<const TimeoutError*>(&e) != nullptr)
-      throw TimeoutError(str_cat(e.what(), " (if the ranks have different numbers of batches, "
-                                           "train inside model.join() / smp.join.Join)"));
+      throw TimeoutError(str_cat(e.what(), kHint));
+    const std::string msg = e.what();
+    if (dynamic_cast<const CommError*>(&e) != nullptr &&
+        (msg.find(" exited without reaching it") != std::string::npos ||
+         msg.find("Connection closed") != std::string::npos ||
+         msg.find("Connection reset") != std::string::npos))
+      throw CommError(str_cat(msg, kHint));
     throw;
   }
   std::string bucket_what(size_t b) const {

@@ -441,6 +441,9 @@ def _to_global(r, rank_type):
 # `api_call` on the thread names it (model.state_dict() runs allgathers inside);
 # without one, the collective's own name ("smp.barrier(WORLD)").
 _api_call = threading.local()
+# The name of a step's collectives (its first step agrees on the model and the plan):
+# the same on a rank that shadows the step under join, whatever the function's name.
+STEP_CALL = "an @smp.step function"
 
 
 @contextlib.contextmanager

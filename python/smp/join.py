@@ -344,6 +344,7 @@ def _sync_buffers(model, proto, candidate):
                                int(root))
 
 
+@core.api_call(core.STEP_CALL)  # the collectives of an active rank's step: the same name
 def shadow_step(model):
     """A joined rank's iteration: the collectives of an active rank's step."""
     if not model._dp_reduce:

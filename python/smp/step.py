@@ -167,7 +167,7 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
             # than the driver does not use its inputs: it serves the driver's step).
             mb_inputs, input_error = None, exc
         # Names the first step's agreement collectives in errors (Note [Naming the call]).
-        with core.api_call(f"the @smp.step function {fn.__name__}()"):
+        with core.api_call(core.STEP_CALL):
             per_mb = model._run_step(fn, mb_inputs, input_error)
         return collect_outputs(per_mb, detach_outputs)
 

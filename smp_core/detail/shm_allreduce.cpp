@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "smp_core/errors.h"
+#include "smp_core/runtime.h"
 
 namespace smp::detail {
 
@@ -131,10 +132,16 @@ std::shared_ptr<ShmArena> ShmArena::create(const ProcessGroupPtr& pg, size_t slo
   }
   if (rank == 0 && a->base_) *reinterpret_cast<uint64_t*>(a->base_) = kMagic;
   if (a->base_) a->word(kPid, rank)->store(static_cast<uint64_t>(getpid()));
-  auto oks = allgather_bytes(pg, a->base_ ? "1" : "0", timeout_s, what + " (segment mapped)");
+  // Each rank's global rank travels along: errors name ranks as smprun prints them.
+  const int global = is_initialized() ? runtime().rank() : rank;
+  auto oks = allgather_bytes(pg, str_cat(a->base_ ? "1|" : "0|", global), timeout_s,
+                             what + " (segment mapped)");
   if (rank == 0) shm_unlink(name.c_str());  // every rank has it mapped (or gave up)
   bool all_ok = true;
-  for (const auto& ok : oks) all_ok = all_ok && ok == "1";
+  for (const auto& ok : oks) {
+    all_ok = all_ok && ok.rfind("1|", 0) == 0;
+    a->global_.push_back(std::atoi(ok.c_str() + 2));
+  }
   if (all_ok) all_ok = *reinterpret_cast<uint64_t*>(a->base_) == kMagic;
   if (!all_ok) return nullptr;  // the destructor unmaps
   return a;
@@ -190,18 +197,19 @@ void ShmArena::wait_all(int array, uint64_t op, double timeout_s, const std::str
     for (int q = 0; q < world_; ++q) {
       auto pid = static_cast<pid_t>(word(kPid, q)->load(std::memory_order_relaxed));
       if (word(array, q)->load(std::memory_order_acquire) < op && exited(pid))
-        throw CommError(str_cat("smp: ", what, " failed: rank ", q, " (pid ", pid,
-                                ") exited (shared-memory reduction, rank ", rank_, ")"));
+        throw CommError(str_cat("smp: ", what, " failed: rank ", global_[q], " (pid ", pid,
+                                ", rank ", q, " of the group) exited without reaching it "
+                                "(shared-memory reduction, on rank ", global_[rank_], ")"));
     }
     auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       std::string missing;
       for (int q = 0; q < world_; ++q)
         if (word(array, q)->load(std::memory_order_acquire) < op)
-          missing += str_cat(missing.empty() ? "" : ",", q);
+          missing += str_cat(missing.empty() ? "" : ",", global_[q]);
       throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for ", what,
                                  ": rank(s) ", missing, " did not reach it (shared-memory "
-                                 "reduction, rank ", rank_, ")"));
+                                 "reduction, on rank ", global_[rank_], ")"));
     }
     futex_wait(bell(), seen, std::min<std::chrono::nanoseconds>(deadline - now,
                                                                 std::chrono::milliseconds(100)));

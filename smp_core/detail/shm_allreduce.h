@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -57,6 +58,7 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
   int rank_ = 0;
   int world_ = 1;
   uint64_t op_ = 0;  // operations issued by this rank (the same sequence everywhere)
+  std::vector<int> global_;  // group rank -> global rank (errors name global ranks)
 };
 
 }  // namespace smp::detail

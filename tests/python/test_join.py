@@ -8,6 +8,7 @@ pp rank also runs the torch reference over its own dp group (one process per rep
 in torch terms: the full model on each), and compares its own partition's parameters.
 """
 import json
+import re
 
 import pytest
 
@@ -207,3 +208,39 @@ def test_throw_on_early_termination_pipeline(ranks):
 
 def test_pipeline_two_by_two_uneven(ranks):
     _run(ranks, 4, {"partitions": 2, "microbatches": 2})
+
+
+UNEVEN_WITHOUT_JOIN = r"""
+import torch, torch.nn as nn
+import smp
+smp.init({"partitions": 2, "ddp": True, "timeout_s": 120})
+torch.manual_seed(0)
+model = smp.DistributedModel(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+@smp.step
+def step(x):
+    loss = model(x).sum()
+    model.backward(loss)
+    return loss
+try:
+    for _ in range(2 + smp.dp_rank()):  # replica 0 (ranks 0, 1) has one batch less
+        step(torch.randn(4, 4)); opt.step(); opt.zero_grad()
+    print("done", flush=True)
+except smp.CommError as e:
+    print("RAISED", e, flush=True)
+"""
+
+
+def test_uneven_inputs_without_join_name_global_ranks_and_suggest_join(ranks):
+    # pp=2 x dp=2: dp groups {0, 2} and {1, 3}, so rank 1 is rank 0 of its dp group.
+    res = ranks(UNEVEN_WITHOUT_JOIN, 4, check=False)
+    assert [r.stdout.strip() for r in res[:2]] == ["done", "done"], res[:2]
+    for r, gone in ((res[2], 0), (res[3], 1)):
+        text = r.stdout.split("RAISED ", 1)[1].strip()
+        assert re.fullmatch(
+            re.escape("smp: bucket 0 of 1 (shared memory) on the dp process group (gloo, rank 1 "
+                      f"of 2) in step 3 failed: rank {gone} (pid ") + r"\d+" +
+            re.escape(", rank 0 of the group) exited without reaching it (shared-memory "
+                      f"reduction, on rank {r.rank}) (if the ranks have different numbers of "
+                      "batches (uneven inputs), train inside `with model.join():` or `with "
+                      "smp.join.Join([model, optimizer]):`)"), text), (r.rank, text)

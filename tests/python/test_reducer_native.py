@@ -263,7 +263,8 @@ try:
     red.finalize()
     raise SystemExit("no error")
 except smp.CommError as e:
-    assert "rank 1 (pid" in str(e) and "exited (shared-memory reduction, rank 0)" in str(e), str(e)
+    assert "rank 1 (pid" in str(e) and "exited without reaching it (shared-memory reduction, " \
+        "on rank 0)" in str(e) and "smp.join.Join" in str(e), str(e)
     assert time.monotonic() - t0 < 10, time.monotonic() - t0  # not the 60 s timeout
 print("ok")
 """

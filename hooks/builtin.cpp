@@ -3,6 +3,7 @@
 #include "hooks/debugging_hooks.h"
 #include "hooks/default_hooks.h"
 #include "hooks/powersgd.h"
+#include "hooks/quantization_hooks.h"
 #include "smp_core/errors.h"
 
 namespace smp::hooks {
@@ -10,7 +11,8 @@ namespace smp::hooks {
 const std::vector<std::string>& builtin_hook_names() {
   static const std::vector<std::string> names = {
       "allreduce",     "batched_powerSGD",      "bf16_compress", "bf16_compress_wrapper",
-      "fp16_compress", "fp16_compress_wrapper", "noop",          "powerSGD"};
+      "fp16_compress", "fp16_compress_wrapper", "noop",          "powerSGD",
+      "quantization_perchannel", "quantization_pertensor"};
   return names;
 }
 
@@ -19,7 +21,7 @@ bool is_wrapper(const std::string& name) {
 }
 
 CommHookPtr make_builtin_hook(const std::string& name, ProcessGroupPtr state,
-                              CommHookPtr inner) {
+                              CommHookPtr inner, double timeout_s, int64_t channel_size) {
   if (is_wrapper(name)) {
     if (!inner)
       throw ConfigError("smp: built-in hook '" + name + "' wraps another hook: pass inner=");
@@ -33,8 +35,14 @@ CommHookPtr make_builtin_hook(const std::string& name, ProcessGroupPtr state,
   if (name == "fp16_compress") return fp16_compress_hook(std::move(state));
   if (name == "bf16_compress") return bf16_compress_hook(std::move(state));
   if (name == "noop") return noop_hook();
+  if (name == "quantization_pertensor")
+    return quantization_pertensor_hook(std::move(state), timeout_s);
+  if (name == "quantization_perchannel")
+    return quantization_perchannel_hook(std::move(state), channel_size, timeout_s);
   if (name == "powerSGD" || name == "batched_powerSGD") {
-    auto st = std::make_shared<PowerSGDState>(PowerSGDOptions{}, std::move(state));
+    PowerSGDOptions o;
+    o.timeout_s = timeout_s;
+    auto st = std::make_shared<PowerSGDState>(o, std::move(state));
     return name == "powerSGD" ? powersgd_hook(st) : batched_powersgd_hook(st);
   }
   std::string allowed;

@@ -2,9 +2,12 @@
 
 #include <pthread.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -144,5 +147,21 @@ std::string CommQueue::first_error() const {
 }
 
 const std::string& CommQueue::name() const { return state_->name; }
+
+CommQueue& group_queue(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  SMP_CHECK(pg, "group_queue: null process group");
+  // Leaked on purpose: a queue may be in use while static destructors run at exit.
+  static auto* mu = new std::mutex;
+  static auto* queues =
+      new std::map<const c10d::ProcessGroup*,
+                   std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, CommQueue*>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  auto it = queues->find(pg.get());
+  if (it == queues->end()) {
+    std::string name = str_cat("hooks-", pg->getBackendName(), "-", pg->getSize());
+    it = queues->emplace(pg.get(), std::make_pair(pg, new CommQueue(name))).first;
+  }
+  return *it->second.second;
+}
 
 }  // namespace smp

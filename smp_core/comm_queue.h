@@ -30,6 +30,12 @@
 #include <memory>
 #include <string>
 
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
 namespace smp {
 
 class CommQueue {
@@ -70,5 +76,13 @@ class CommQueue {
   struct State;
   std::shared_ptr<State> state_;
 };
+
+// The process-wide queue of `pg`, created on first use and never destroyed (it lives
+// as long as the process, like the group's users). Comm hooks that run under torch's
+// DistributedDataParallel (smp's built-ins called through torch's GradBucket) put
+// each bucket's chain of collectives here: torch's reducer launches buckets in index
+// order from one thread, so submission order, and with it collective order, is the
+// same on every rank. See Note [Ordered bucket communication].
+CommQueue& group_queue(const c10::intrusive_ptr<c10d::ProcessGroup>& pg);
 
 }  // namespace smp

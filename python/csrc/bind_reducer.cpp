@@ -12,6 +12,7 @@
 #include "bindings.h"
 #include "hooks/builtin.h"
 #include "hooks/powersgd.h"
+#include "smp_core/comm_queue.h"
 #include "smp_core/errors.h"
 #include "smp_core/grad_bucket.h"
 #include "smp_core/join.h"
@@ -85,6 +86,7 @@ struct BuiltinHook {
 };
 
 CommHookPtr to_comm_hook(const py::object& state, const py::object& hook);
+double default_timeout();
 
 bool is_powersgd(const std::string& name) {
   return name == "powerSGD" || name == "batched_powerSGD";
@@ -102,7 +104,8 @@ hooks::PowerSGDStatePtr powersgd_state(const py::object& state, const BuiltinHoo
   }
 }
 
-CommHookPtr builtin_to_comm_hook(const py::object& state, const BuiltinHook& bh) {
+CommHookPtr builtin_to_comm_hook(const py::object& state, const BuiltinHook& bh,
+                                 int64_t channel_size = 512) {
   if (is_powersgd(bh.name)) {
     auto st = powersgd_state(state, bh);
     return bh.name == "powerSGD" ? hooks::powersgd_hook(st) : hooks::batched_powersgd_hook(st);
@@ -118,7 +121,67 @@ CommHookPtr builtin_to_comm_hook(const py::object& state, const BuiltinHook& bh)
                                 py::str(py::type::of(state)).cast<std::string>()));
     }
   }
-  return hooks::make_builtin_hook(bh.name, pg, inner);
+  return hooks::make_builtin_hook(bh.name, pg, inner, default_timeout(), channel_size);
+}
+
+// Note [Built-in hooks under torch DDP]
+// torch's reducer calls a Python hook with its own c10d::GradBucket, on the autograd
+// thread, bucket after bucket in index order. smp's built-ins take smp's GradBucket,
+// so this builds one from torch's (buffer, index, is_last, parameters; the offsets are
+// read off its gradient views) and queues the hook's chain on the group's ordered
+// queue (group_queue in smp_core/comm_queue.h): the autograd thread goes on with
+// backward, and every collective of every bucket is issued from that one thread in
+// bucket order, none from a completion callback. That is what keeps PowerSGD with
+// many buckets alive on Gloo where torch's own hook aborts (FACTS.md). result()
+// (decompression) runs in the completion callback: local arithmetic only.
+std::shared_ptr<torch::jit::PythonFutureWrapper> run_on_torch_bucket(
+    const BuiltinHook& self, const py::object& state, const py::object& bucket,
+    const ProcessGroupPtr& default_pg, const ProcessGroupPtr& queue_pg, int64_t channel_size) {
+  at::Tensor buffer = bucket.attr("buffer")().cast<at::Tensor>();
+  const auto index = bucket.attr("index")().cast<size_t>();
+  const bool last = bucket.attr("is_last")().cast<bool>();
+  auto params = bucket.attr("parameters")().cast<std::vector<at::Tensor>>();
+  auto grads = bucket.attr("gradients")().cast<std::vector<at::Tensor>>();
+  SMP_CHECK(grads.size() == params.size(), "torch GradBucket ", index, ": ", params.size(),
+            " parameters but ", grads.size(), " gradients");
+  std::vector<int64_t> offsets;
+  for (const auto& g : grads) offsets.push_back(g.storage_offset() - buffer.storage_offset());
+  // torch's bucket knows only whether it is last; a count that says the same suffices.
+  auto b = std::make_shared<GradBucket>(index, last ? index + 1 : index + 2, buffer,
+                                        std::move(params), std::move(offsets), default_pg);
+  CommHookPtr hook = builtin_to_comm_hook(state, self, channel_size);
+  auto out = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
+  const double timeout = default_timeout();
+  const std::string what = str_cat("bucket ", index, " of comm hook '", hook->name(),
+                                   "' under torch DistributedDataParallel");
+  group_queue(queue_pg).submit(what, [hook, b, out, timeout, what] {
+    FuturePtr f;
+    try {
+      f = hook->run(*b);
+    } catch (...) {
+      out->setError(std::current_exception());
+      throw;  // the group's order is lost on this rank: later buckets fail at once
+    }
+    f->addCallback([hook, b, out](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        out->setError(done.exception_ptr());
+        return;
+      }
+      c10::IValue value;
+      try {
+        at::Tensor t = hook->result(*b, done.value());
+        // torch 1.13's reducer reads a Python hook's result only as a Python object.
+        py::gil_scoped_acquire gil;
+        value = torch::jit::toIValue(py::cast(t), c10::PyObjectType::get());
+      } catch (...) {
+        out->setError(std::current_exception());
+        return;
+      }
+      out->markCompleted(std::move(value));
+    });
+    if (!hook->issues_all_in_run()) wait_future(f, timeout, what);
+  });
+  return std::make_shared<torch::jit::PythonFutureWrapper>(out);
 }
 
 CommHookPtr to_comm_hook(const py::object& state, const py::object& hook) {
@@ -194,8 +257,9 @@ void bind_reducer(py::module_& m) {
         if (attr == "__name__" || attr == "__qualname__") return py::str(display_name(h));
         throw py::attribute_error("'smp._C.BuiltinHook' object has no attribute '" + attr + "'");
       })
-      .def("__call__", [](const BuiltinHook& self, const py::object& state, const py::object& bucket) {
-        CommHookPtr hook = builtin_to_comm_hook(state, self);
+      .def("__call__", [](const BuiltinHook& self, const py::object& state, const py::object& bucket,
+                          int64_t channel_size) {
+        CommHookPtr hook = builtin_to_comm_hook(state, self, channel_size);
         auto b = bucket.cast<std::shared_ptr<GradBucket>>();
         FuturePtr fut;
         {
@@ -209,7 +273,7 @@ void bind_reducer(py::module_& m) {
             },
             c10::TensorType::get());
         return std::make_shared<torch::jit::PythonFutureWrapper>(out);
-      }, py::arg("state"), py::arg("bucket"))
+      }, py::arg("state"), py::arg("bucket"), py::arg("channel_size") = 512)
       .def("__eq__", [](const BuiltinHook& a, const py::object& other) {
         if (!py::isinstance<BuiltinHook>(other)) return false;
         const auto& b = other.cast<const BuiltinHook&>();
@@ -231,7 +295,8 @@ void bind_reducer(py::module_& m) {
           }));
 
   for (const char* name : {"allreduce", "fp16_compress", "bf16_compress", "noop", "powerSGD",
-                           "batched_powerSGD"})
+                           "batched_powerSGD", "quantization_pertensor",
+                           "quantization_perchannel"})
     m.attr((std::string(name) + "_hook").c_str()) = make_builtin(name, py::none());
   m.def("fp16_compress_wrapper", [](py::object hook) {
     return make_builtin("fp16_compress_wrapper", std::move(hook));
@@ -240,6 +305,11 @@ void bind_reducer(py::module_& m) {
     return make_builtin("bf16_compress_wrapper", std::move(hook));
   }, py::arg("hook"), "Wraps `hook`: it runs on a bfloat16 copy of the bucket.");
   m.def("builtin_hook_names", &hooks::builtin_hook_names);
+  m.def("run_on_torch_bucket", &run_on_torch_bucket, py::arg("hook"), py::arg("state"),
+        py::arg("bucket"), py::arg("default_group"), py::arg("queue_group"),
+        py::arg("channel_size") = 512,
+        "Runs built-in `hook` on torch's GradBucket under torch DDP; returns a Future "
+        "(see Note [Built-in hooks under torch DDP] in bind_reducer.cpp).");
 
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer",
       "Averages the gradients of `params` across `process_group` in buckets (docs/reducer.md).")

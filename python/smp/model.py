@@ -346,17 +346,29 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
     def register_comm_hook(self, state, hook):
         """Registers a gradient communication hook (once, before the first step).
 
+        Every rank calls it (the ranks agree on the groups). The hook reduces over the
+        dp group: a state of None, or a state whose `process_group` is None, gets the dp
+        group; a group with the dp group's members is replaced by smp's dp group; any
+        other group raises (Note [Comm hooks reduce over the dp group] in
+        smp/ddp_comm_hooks/_groups.py).
+
         Args:
             state: the hook's state (a process group, PowerSGDState, ... or None).
             hook: `hook(state, bucket) -> torch.futures.Future[Tensor]`, or a built-in
                 from smp.ddp_comm_hooks (runs in C++).
+
+        Raises:
+            RuntimeError: called twice, or after the first step.
+            ValueError: hook is not callable; smp.ConfigError (on every rank): the
+                state names a group other than the dp group.
         """
         if self._comm_hook is not None or self._reducer is not None or self._steps > 0:
             raise RuntimeError("smp: register_comm_hook must be called once, before the "
                                "first step")
         if not callable(hook):
             raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
-        self._comm_hook = (state, hook)
+        from smp.ddp_comm_hooks._groups import resolve_hook_state
+        self._comm_hook = (resolve_hook_state(state), hook)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clips gradients by the global norm over every partition (FSDP's name).

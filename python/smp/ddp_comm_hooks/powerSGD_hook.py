@@ -1,9 +1,10 @@
 """PowerSGD gradient compression (Vogels et al., 2019, https://arxiv.org/abs/1905.13727),
 at the path and with the API of torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.
 
-The hooks are C++ (`smp._C.BuiltinHook` objects, hooks/powersgd.cpp): registered with
-`model.register_comm_hook(state, powerSGD_hook)` they run on the reducer's comm thread,
-with no Python on the hot path. Each bucket's three allreduces (uncompressed rest, P,
+The hooks are C++ (hooks/powersgd.cpp) behind Python functions with torch's signature:
+registered with `model.register_comm_hook(state, powerSGD_hook)` they run on the
+reducer's comm thread with no Python on the hot path; registered on torch's
+DistributedDataParallel they run there too (see smp/ddp_comm_hooks/_builtin.py). Each bucket's three allreduces (uncompressed rest, P,
 Q) are issued in that order from that one thread, so any number of buckets works on
 Gloo (torch 1.13's hook aborts there with two or more; its batched hook always fails).
 
@@ -14,11 +15,29 @@ import numpy as np
 import torch
 
 from smp import _C
+from smp.ddp_comm_hooks._builtin import run
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"]
 
-powerSGD_hook = _C.powerSGD_hook
-batched_powerSGD_hook = _C.batched_powerSGD_hook
+
+def powerSGD_hook(state, bucket):
+    """torch's powerSGD_hook: each matrix of the bucket compressed to rank r.
+
+    Args:
+        state: a PowerSGDState (smp's).
+        bucket: smp's or torch's GradBucket (runs under torch's DDP too, with any
+            number of buckets on Gloo).
+    """
+    return run(powerSGD_hook, state, bucket)
+
+
+def batched_powerSGD_hook(state, bucket):
+    """torch's batched_powerSGD_hook: the whole bucket as one square matrix."""
+    return run(batched_powerSGD_hook, state, bucket)
+
+
+powerSGD_hook._smp_builtin = _C.powerSGD_hook
+batched_powerSGD_hook._smp_builtin = _C.batched_powerSGD_hook
 
 _OPTIONS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
             "use_error_feedback", "warm_start", "orthogonalization_epsilon",
@@ -50,7 +69,8 @@ class PowerSGDState:
 
     Args:
         process_group: group to reduce over; None: smp's dp group (the group of the
-            model the hook is registered on).
+            model the hook is registered on), or torch's default group under torch's
+            DistributedDataParallel.
         matrix_approximation_rank: rank r of M ~ P Q^T (>= 1); 1-4 is typical.
         start_powerSGD_iter: steps of plain averaging before compression starts.
         min_compression_rate: compress a matrix only if (n + m) * r * rate < n * m.

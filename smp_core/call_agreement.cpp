@@ -297,14 +297,22 @@ void CallAgreement::mark_exited(const std::string& how, double linger_s) {
   }
 }
 
+namespace {
+std::mutex held_mu;
+std::unique_ptr<CallAgreement> held;  // holds a reference to the runtime's store
+}  // namespace
+
 CallAgreement& call_agreement() {
-  static std::mutex mu;
-  static std::unique_ptr<CallAgreement> held;
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<std::mutex> lock(held_mu);
   Runtime& rt = runtime();
   if (!held || held->store().get() != rt.store().get())
     held = std::make_unique<CallAgreement>(rt.store(), rt.rank(), rt.config().timeout_s);
   return *held;
+}
+
+void release_call_agreement() {
+  std::lock_guard<std::mutex> lock(held_mu);
+  held.reset();
 }
 
 }  // namespace smp

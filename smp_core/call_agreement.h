@@ -91,5 +91,8 @@ class CallAgreement {
 // The process-wide CallAgreement of the runtime (made on first use, remade after a
 // re-init with another store). Throws if smp is not initialized.
 CallAgreement& call_agreement();
+// Drops it and its store reference (at exit, while the store can still be destroyed
+// in order, not by static destructors after the interpreter is gone).
+void release_call_agreement();
 
 }  // namespace smp

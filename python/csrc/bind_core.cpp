@@ -147,6 +147,7 @@ void bind_core(py::module_& m) {
         "Before a torch collective on an smp group: every member is about to make `call`.");
   m.def("mark_exited", [](const std::string& how, double linger_s) {
     if (is_initialized()) call_agreement().mark_exited(how, linger_s);
+    release_call_agreement();
   }, release(), py::arg("how"), py::arg("linger_s"),
         "At exit: tells ranks waiting in an smp call for this one that it is gone.");
 }

@@ -481,12 +481,10 @@ def agree_call(group, default):
 def _mark_exited():
     """atexit: ranks waiting for this one in an smp call raise at once, naming how it
     ended; rank 0 (the store's host under smprun) lingers briefly so they can read it."""
-    if not state.initialized:
-        return
     exc = getattr(sys, "last_value", None)
     how = "exited" if exc is None else f"failed ({type(exc).__name__}: {exc})"
-    try:
-        _C.mark_exited(how, 5.0 if state.rank == 0 else 0.0)
+    try:  # also drops C++'s reference to the store (after smp.shutdown too)
+        _C.mark_exited(how, 5.0 if state.initialized and state.rank == 0 else 0.0)
     except Exception:  # the store is gone: nobody is left to read it
         pass
 

@@ -11,7 +11,8 @@ alike. A group with exactly the dp group's members is replaced by smp's dp group
 object: smp keeps the dp group a group of its own even when its members equal the
 world's (pp=1), so the reducer's comm thread never shares a group with the main
 thread. Any other group is refused at registration, on every rank: every rank
-registers, the ranks exchange their verdicts, and all raise the first failure.
+registers, the ranks exchange their verdicts, and all raise (a rank whose own state
+was fine names the failing rank).
 """
 import torch.distributed as dist
 
@@ -48,7 +49,7 @@ def _check_group(pg, what, dp_pg, dp_ranks, subset=False):
 def _resolve(state, dp_pg, dp_ranks):
     if state is None:
         return dp_pg
-    if isinstance(state, dist.ProcessGroup):
+    if isinstance(state, dist.ProcessGroup) or state is dist.GroupMember.NON_GROUP_MEMBER:
         return _check_group(state, "the hook state", dp_pg, dp_ranks)
     if hasattr(state, "process_group"):
         pg = state.process_group
@@ -68,7 +69,8 @@ def resolve_hook_state(state):
 
     Raises:
         ValueError (smp.ConfigError): on every rank, if any rank's state names a group
-            other than its dp group (the message of the lowest such rank).
+            other than its dp group: its own message, or that of the lowest failing
+            rank with "(rank R)".
     """
     from smp import core
     dp_pg = core.get_dp_process_group()
@@ -78,8 +80,10 @@ def resolve_hook_state(state):
         state = _resolve(state, dp_pg, dp_ranks)
     except ValueError as e:
         error = str(e)
-    verdicts = core.allgather(error, core.CommGroup.WORLD)
-    for rank, msg in enumerate(verdicts):
+    if error is not None:
+        core.allgather(error, core.CommGroup.WORLD)
+        raise core.ConfigError(error)
+    for rank, msg in enumerate(core.allgather(None, core.CommGroup.WORLD)):
         if msg is not None:
-            raise core.ConfigError(msg if rank == core.rank() else f"{msg} (rank {rank})")
+            raise core.ConfigError(f"{msg} (rank {rank})")
     return state

@@ -41,7 +41,13 @@ def _node_subgroup(process_group):
         for r in g:
             nodes.setdefault(r // local, []).append(r)
         subgroups.extend(nodes[n] for n in sorted(nodes))
-    mine, _ = dist.new_subgroups_by_enumeration(subgroups)
+    # Every rank makes every subgroup, in one order (torch's new_subgroups_by_enumeration
+    # does the same, but in torch 1.13 only with CUDA).
+    me, mine = dist.get_rank(), None
+    for ranks in subgroups:
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = group
     return mine
 
 

@@ -9,8 +9,11 @@
 #include <sstream>
 #include <thread>
 
+#include "smp_core/detail/shm_allreduce.h"
 #include "smp_core/errors.h"
 #include "smp_core/runtime.h"
+
+#include <unistd.h>
 
 namespace smp {
 namespace {
@@ -51,6 +54,8 @@ struct CallAgreement::Posted {
   std::vector<int> members;      // kCall: global ranks in group order
   uint64_t seq = 0;              // kCall: the call's number on its group
   std::string call;              // kCall: "model.state_dict()"
+  std::string host;              // kCall: detail::host_identity() of the poster
+  int64_t pid = 0;               // kCall: its process id
   std::string key() const { return group + ":" + csv(members); }
   bool same_call(const std::string& gkey, uint64_t s, const std::string& c) const {
     return kind == kCall && key() == gkey && seq == s && call == c;
@@ -58,7 +63,8 @@ struct CallAgreement::Posted {
   std::string encode() const {
     if (kind == kExited) return "x\n" + how;
     if (kind == kError) return "e\n" + how;
-    return str_cat("c\n", group, "\n", csv(members), "\n", seq, "\n", call);
+    return str_cat("c\n", group, "\n", csv(members), "\n", seq, "\n", call, "\n", host, "\n",
+                   pid);
   }
   static Posted decode(const std::string& s) {
     Posted p;
@@ -69,19 +75,25 @@ struct CallAgreement::Posted {
     if (f.size() >= 2 && (f[0] == "x" || f[0] == "e")) {
       p.kind = f[0] == "x" ? kExited : kError;
       p.how = f[1];
-    } else if (f.size() >= 5 && f[0] == "c") {
+    } else if (f.size() >= 7 && f[0] == "c") {
       p.kind = kCall;
       p.group = f[1];
       p.members = parse_csv(f[2]);
       p.seq = std::stoull(f[3]);
       p.call = f[4];
+      p.host = f[5];
+      p.pid = std::stoll(f[6]);
     }
     return p;
   }
 };
 
 CallAgreement::CallAgreement(StorePtr store, int rank, double timeout_s, std::string prefix)
-    : store_(std::move(store)), rank_(rank), timeout_s_(timeout_s), prefix_(std::move(prefix)) {
+    : store_(std::move(store)),
+      rank_(rank),
+      timeout_s_(timeout_s),
+      prefix_(std::move(prefix)),
+      host_(detail::host_identity()) {
   SMP_CHECK(store_, "CallAgreement: store is null");
 }
 
@@ -89,7 +101,14 @@ CallAgreement::Posted CallAgreement::read_current(int q) {
   std::string key = str_cat(prefix_, "/cur/", q);
   if (!store_->check({key})) return Posted{};  // get() would block until it exists
   auto v = store_->get(key);
-  return Posted::decode(std::string(v.begin(), v.end()));
+  Posted p = Posted::decode(std::string(v.begin(), v.end()));
+  // A rank killed before its exit handler ran left its last call posted: on this host
+  // its pid tells.
+  if (p.kind == Posted::kCall && p.host == host_ && detail::process_exited(p.pid)) {
+    p.kind = Posted::kExited;
+    p.how = str_cat("died (pid ", p.pid, " is gone)");
+  }
+  return p;
 }
 
 // `p` waits in a call on a group of this rank that this rank has not made yet: it
@@ -120,6 +139,8 @@ void CallAgreement::fail(const std::string& gkey, const std::string& group,
   mine.members = members;
   mine.seq = seq;
   mine.call = call;
+  mine.host = host_;
+  mine.pid = getpid();
   std::map<int, Posted> seen{{rank_, mine}};
   // A member that raised meanwhile has told its side of the story: raise the same text.
   auto look = [&](int q) {
@@ -192,6 +213,8 @@ void CallAgreement::agree(const std::string& group, const std::vector<int>& memb
   mine.members = members;
   mine.seq = seq;
   mine.call = call;
+  mine.host = host_;
+  mine.pid = getpid();
   const std::string counter = str_cat(prefix_, "/n/", gkey, "/", seq, "/", call);
   const std::string what = str_cat("ranks ", list({rank_}), " of the ", group, " group ",
                                    list(members), " called ", call, " (call #", seq,

@@ -17,7 +17,8 @@
 //   - posted a different call as its call #k on G (the calls differ),
 //   - is waiting in a call on another group G' of which this rank is a member, and
 //     that this rank has not made yet (each waits for the other: a deadlock), or
-//   - has marked itself exited (mark_exited: an atexit handler, with the reason).
+//   - has marked itself exited (mark_exited: an atexit handler, with the reason), or
+//     runs on this host and its process is gone (killed before that handler ran).
 // A member that has posted nothing new is merely slow: the wait goes on up to
 // timeout_s, and the timeout names the call and the missing ranks. A member's current
 // key can be stale (it finished an earlier call and computes): staleness is decidable
@@ -82,6 +83,7 @@ class CallAgreement {
   int rank_;
   double timeout_s_;
   std::string prefix_;
+  std::string host_;  // detail::host_identity(): peers with the same one are checked by pid
   std::mutex mu_;
   std::atomic<bool> failed_{false};  // this rank raised an agreement error (posted as its state)
   std::map<std::string, uint64_t> seq_;                  // group key -> calls posted

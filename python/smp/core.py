@@ -464,6 +464,11 @@ def _call_name(default):
     return getattr(_api_call, "name", None) or default
 
 
+# One spelling per group in call names: MP_GROUP is PP_GROUP and RDP_GROUP is DP_GROUP
+# (tp = 1), so smp.mp_barrier() on one rank agrees with smp.pp_barrier() on another.
+_CALL_GROUP = {"world": "WORLD", "pp": "PP_GROUP", "dp": "DP_GROUP"}
+
+
 def agree_call(group, default):
     """Before a torch collective on an smp group (e.g. dist.gather_object): every member
     of `group` is about to make the same call (see Note [Naming the call]).
@@ -481,9 +486,9 @@ def agree_call(group, default):
 def _mark_exited():
     """atexit: ranks waiting for this one in an smp call raise at once, naming how it
     ended; rank 0 (the store's host under smprun) lingers briefly so they can read it."""
-    exc = getattr(sys, "last_value", None)
-    how = "exited" if exc is None else f"failed ({type(exc).__name__}: {exc})"
     try:  # also drops C++'s reference to the store (after smp.shutdown too)
+        exc = getattr(sys, "last_value", None)
+        how = "exited" if exc is None else f"failed ({type(exc).__name__}: {exc})"
         _C.mark_exited(how, 5.0 if state.initialized and state.rank == 0 else 0.0)
     except Exception:  # the store is gone: nobody is left to read it
         pass
@@ -502,7 +507,7 @@ def barrier(group=CommGroup.WORLD):
     _require_init()
     name = _group_name(group)
     if name != "tp":
-        _C.barrier(name, _call_name(f"smp.barrier({group.name})"))
+        _C.barrier(name, _call_name(f"smp.barrier({_CALL_GROUP[name]})"))
 
 
 def pp_barrier():
@@ -544,14 +549,14 @@ def allgather(obj, group=CommGroup.WORLD):
     name = _group_name(group)
     if name == "tp":
         return [obj]
-    call = _call_name(f"smp.allgather({group.name})")
+    call = _call_name(f"smp.allgather({_CALL_GROUP[name]})")
     return [pickle.loads(b) for b in _C.allgather_bytes(name, pickle.dumps(obj, protocol=4),
                                                         call)]
 
 
 def gather(obj, group=CommGroup.WORLD, rank=0):
     """Returns the members' objects in group-rank order on group rank `rank`, else None."""
-    with api_call(f"smp.gather({group.name})"):
+    with api_call(f"smp.gather({_CALL_GROUP.get(_group_name(group), 'TP_GROUP')})"):
         values = allgather(obj, group)
     me = _members(group).index(state.rank)
     return values if me == rank else None

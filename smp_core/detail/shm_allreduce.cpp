@@ -51,6 +51,8 @@ enum Array { kInputs = 0, kParts = 1, kShadow = 2, kPid = 3, kArrays = 4 };
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
+}  // namespace
+
 // Ranks may share a segment when they run on one kernel (boot id), one host name and
 // one pid namespace (the liveness check below looks peers up by pid).
 std::string host_identity() {
@@ -63,8 +65,8 @@ std::string host_identity() {
   return std::string(host) + "|" + boot + "|" + (len > 0 ? std::string(ns, len) : "?");
 }
 
-// True if process `pid` has exited (gone, or a zombie its parent has not reaped yet).
-bool exited(pid_t pid) {
+bool process_exited(int64_t id) {
+  const auto pid = static_cast<pid_t>(id);
   if (pid <= 0 || pid == getpid()) return false;
   if (kill(pid, 0) != 0) return errno == ESRCH;
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
@@ -74,6 +76,8 @@ bool exited(pid_t pid) {
   return close != std::string::npos && close + 2 < line.size() &&
          (line[close + 2] == 'Z' || line[close + 2] == 'X');
 }
+
+namespace {
 
 void futex_wait(std::atomic<uint32_t>* addr, uint32_t expected, std::chrono::nanoseconds t) {
   timespec ts{static_cast<time_t>(t.count() / 1000000000), static_cast<long>(t.count() % 1000000000)};
@@ -196,7 +200,7 @@ void ShmArena::wait_all(int array, uint64_t op, double timeout_s, const std::str
     // A peer process that exited never arrives: say so now rather than at the timeout.
     for (int q = 0; q < world_; ++q) {
       auto pid = static_cast<pid_t>(word(kPid, q)->load(std::memory_order_relaxed));
-      if (word(array, q)->load(std::memory_order_acquire) < op && exited(pid))
+      if (word(array, q)->load(std::memory_order_acquire) < op && process_exited(pid))
         throw CommError(str_cat("smp: ", what, " failed: rank ", global_[q], " (pid ", pid,
                                 ", rank ", q, " of the group) exited without reaching it "
                                 "(shared-memory reduction, on rank ", global_[rank_], ")"));

@@ -16,6 +16,12 @@
 
 namespace smp::detail {
 
+// Host name, boot id and pid namespace: processes with equal identities can look each
+// other up by pid (and share memory).
+std::string host_identity();
+// True if process `pid` of this host has exited (gone, or a zombie not reaped yet).
+bool process_exited(int64_t pid);
+
 class ShmArena : public std::enable_shared_from_this<ShmArena> {
  public:
   // Collective over `pg` (two allgathers and a broadcast, from the calling thread):

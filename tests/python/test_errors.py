@@ -36,6 +36,9 @@ def call(what):
         sys.exit(0)
     if what == "fail":
         raise RuntimeError(f"boom on rank {smp.rank()}")
+    if what == "kill":
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs
     if what == "sleep_then_state_dict":
         time.sleep(1.5)  # merely slow: not an error
         return model.state_dict()
@@ -115,6 +118,15 @@ def test_state_dict_on_one_rank_while_the_other_fails(ranks, tmp_path):
         "smp: ranks [0] of the pp group [0, 1] called model.state_dict() (call #") +
         r"\d+" + re.escape(" on that group), but rank 1 failed (RuntimeError: boom on rank 1) "
                            "without making that call" + _RULE))
+
+
+def test_state_dict_on_one_rank_while_the_other_is_killed(ranks, tmp_path):
+    res = _run(ranks, ["state_dict", "kill"], tmp_path, **PP2)
+    assert res[1].returncode == -9, res[1]
+    _assert_named(res, [0], re.escape(
+        "smp: ranks [0] of the pp group [0, 1] called model.state_dict() (call #") +
+        r"\d+" + re.escape(" on that group), but rank 1 died (pid ") + r"\d+" +
+        re.escape(" is gone) without making that call" + _RULE))
 
 
 def test_save_on_one_rank_while_the_other_enters_a_barrier(ranks, tmp_path):

@@ -468,6 +468,7 @@ def _peer_joined_iteration(model, state, is_last_joiner):
         hook.post_hook(is_last_joiner)
 
 
+@core.api_call(core.STEP_CALL)  # it runs the driver's steps
 def _peer_join_loop(model):
     """A pp peer whose own loop ran out: follows its driver until every replica joined."""
     try:

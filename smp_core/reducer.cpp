@@ -895,6 +895,28 @@ void Reducer::register_comm_hook(CommHookPtr hook) {
   impl_->default_hook = false;
 }
 
+// Note [Hook buckets follow torch's]
+// A comm hook may keep state per bucket index (PowerSGD's error feedback and warm-start
+// memories). torch's DDP shows hooks its constructor's buckets in the first step and
+// the rebuilt ones afterwards; a state saved mid-training and loaded into a fresh
+// model therefore meets the constructor's layout in torch's first step. Giving the
+// hook the same sequence of layouts is what makes smp land where torch lands after
+// such a reload (the seed example of torch's comm-hook docs).
+void Reducer::use_torch_initial_layout() {
+  auto& im = *impl_;
+  std::lock_guard<std::mutex> lock(im.mu);
+  if (im.started)
+    throw std::logic_error("smp: use_torch_initial_layout must be called before the first step");
+  std::vector<int64_t> order(im.params.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  auto fresh = compute_bucket_assignment(im.params, order, im.opts.bucket_cap_bytes,
+                                         im.opts.first_bucket_bytes);
+  std::reverse(fresh.begin(), fresh.end());
+  if (fresh == im.layout) return;
+  if (im.arena) im.make_arena(fresh);  // collective, as in apply_order()
+  im.build_buckets(std::move(fresh));
+}
+
 void Reducer::prepare_for_pipeline_backward(double grad_scale,
                                             const std::vector<int64_t>& hold) {
   impl_->prepare_pipeline(grad_scale, hold);

@@ -100,6 +100,14 @@ class Reducer {
   // "smp: register_comm_hook must be called once, before the first step".
   void register_comm_hook(CommHookPtr hook);
 
+  // Before the first step: lays the buckets out as torch's DistributedDataParallel
+  // constructor does (each bucket in parameter registration order, the buckets from
+  // the last parameters to the first); the rebuild after the first step then orders
+  // them by gradient arrival, as torch's does. Collective over the group (every rank
+  // calls it at the same point). Throws std::logic_error after the first step.
+  // See Note [Hook buckets follow torch's] in reducer.cpp.
+  void use_torch_initial_layout();
+
   // Call before each backward. sync=false: gradients only accumulate in .grad.
   // sync=true: this backward is the step's last; gradients are scaled by
   // `grad_scale` into the buckets as they become ready. Parameters not reachable from

@@ -186,6 +186,9 @@ std::shared_ptr<torch::jit::PythonFutureWrapper> run_on_torch_bucket(
 
 CommHookPtr to_comm_hook(const py::object& state, const py::object& hook) {
   if (py::isinstance<BuiltinHook>(hook)) return builtin_to_comm_hook(state, hook.cast<BuiltinHook&>());
+  // smp.ddp_comm_hooks' public hooks: Python functions carrying the C++ hook.
+  py::object native = py::getattr(hook, "_smp_builtin", py::none());
+  if (py::isinstance<BuiltinHook>(native)) return builtin_to_comm_hook(state, native.cast<BuiltinHook&>());
   if (!PyCallable_Check(hook.ptr()))
     throw ConfigError(str_cat("smp: register_comm_hook: hook=",
                               py::repr(hook).cast<std::string>(), " is not callable"));
@@ -359,6 +362,7 @@ void bind_reducer(py::module_& m) {
       .def("register_comm_hook", [](Reducer& r, const py::object& state, const py::object& hook) {
         r.register_comm_hook(to_comm_hook(state, hook));
       }, py::arg("state"), py::arg("hook"))
+      .def("use_torch_initial_layout", &Reducer::use_torch_initial_layout, release())
       .def("register_builtin_hook", [](Reducer& r, const std::string& name, const py::object& state,
                                        const py::object& inner) {
         r.register_comm_hook(to_comm_hook(state, py::cast(make_builtin(name, inner))));

@@ -275,7 +275,8 @@ for step in range(10):
     losses.append(train_step(x, x @ w_true).reduce_mean().item())
     opt.step(); opt.zero_grad()
 # Each partition's dp group ran its own PowerSGD on its own parameters.
-assert state.iter == 10 and state.process_group is None
+# None became the dp group at registration.
+assert state.iter == 10 and state.process_group is smp.get_dp_process_group()
 assert state.compression_stats()[1] == 8 * sum(p.numel() for p in model.local_parameters())
 flat = torch.cat([p.detach().reshape(-1) for p in model.local_parameters()])
 allp = smp.allgather(flat, smp.CommGroup.DP_GROUP)

@@ -71,6 +71,9 @@ def register_ddp_comm_hook(comm_hook_type, model, state=None):
 
 
 def _install(reducer, state, hook):
-    """Registers `hook` with `state` on a C++ reducer: a built-in's C++ hook, or the
-    Python callable."""
+    """Registers `hook` with `state` on a C++ reducer (a built-in's C++ hook, or the
+    Python callable), and gives the first step torch DDP's constructor buckets, so the
+    hook sees the bucket layouts torch's DDP would show it (Note [Hook buckets follow
+    torch's] in smp_core/reducer.cpp)."""
     reducer.register_comm_hook(state, native_of(hook) or hook)
+    reducer.use_torch_initial_layout()

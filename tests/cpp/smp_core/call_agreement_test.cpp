@@ -85,6 +85,23 @@ TEST(CallAgreement, CallsOnTwoGroupsThatWaitForEachOtherRaise) {
   EXPECT_EQ(errors[1], errors[0]);
 }
 
+TEST(CallAgreement, RanksOutsideTheDisagreementRaiseItsText) {
+  // pp=2 x dp=2: rank 0 calls model.state_dict() on its pp group {0, 1}; ranks 1-3 call
+  // smp.barrier(WORLD). Ranks 2 and 3 cannot see a deadlock themselves (rank 0's call
+  // is on a group they are not in); they raise the text ranks 0 and 1 posted.
+  auto errors = run_ranks(4, 60, [](int r, CallAgreement& a) {
+    if (r == 0)
+      a.agree("pp", {0, 1}, "model.state_dict()");
+    else
+      a.agree("world", {0, 1, 2, 3}, "smp.barrier(WORLD)");
+  });
+  EXPECT_EQ(errors[0], std::string("smp: ranks [0] of the pp group [0, 1] called "
+                                   "model.state_dict() (call #1 on that group), but rank 1 "
+                                   "called smp.barrier(WORLD) (its call #1 on the world group "
+                                   "[0, 1, 2, 3])") + kRule);
+  for (int r = 1; r < 4; ++r) EXPECT_EQ(errors[r], errors[0]) << "rank " << r;
+}
+
 TEST(CallAgreement, AMemberThatExitedIsNamed) {
   std::atomic<bool> gone{false};
   auto errors = run_ranks(3, 60, [&](int r, CallAgreement& a) {

@@ -60,6 +60,18 @@ struct CallAgreement::Posted {
   bool same_call(const std::string& gkey, uint64_t s, const std::string& c) const {
     return kind == kCall && key() == gkey && seq == s && call == c;
   }
+  static Posted of_call(const std::string& group, const std::vector<int>& members,
+                        uint64_t seq, const std::string& call, const std::string& host) {
+    Posted p;
+    p.kind = kCall;
+    p.group = group;
+    p.members = members;
+    p.seq = seq;
+    p.call = call;
+    p.host = host;
+    p.pid = getpid();
+    return p;
+  }
   std::string encode() const {
     if (kind == kExited) return "x\n" + how;
     if (kind == kError) return "e\n" + how;
@@ -133,14 +145,7 @@ std::string CallAgreement::describe(const Posted& p) const {
 void CallAgreement::fail(const std::string& gkey, const std::string& group,
                          const std::vector<int>& members, uint64_t seq,
                          const std::string& call, const std::vector<int>& problem) {
-  Posted mine;
-  mine.kind = Posted::kCall;
-  mine.group = group;
-  mine.members = members;
-  mine.seq = seq;
-  mine.call = call;
-  mine.host = host_;
-  mine.pid = getpid();
+  const Posted mine = Posted::of_call(group, members, seq, call, host_);
   std::map<int, Posted> seen{{rank_, mine}};
   // A member that raised meanwhile has told its side of the story: raise the same text.
   auto look = [&](int q) {
@@ -175,11 +180,10 @@ void CallAgreement::fail(const std::string& gkey, const std::string& group,
   std::string parts;
   for (int q : others)
     parts += str_cat(parts.empty() ? "" : ", ", "rank ", q, " ", describe(seen[q]));
-  post_and_throw(CommError(str_cat("smp: ranks ", list(agreeing), " of the ", anchor.group, " group ",
-                          list(anchor.members), " called ", anchor.call, " (call #",
-                          anchor.seq, " on that group), but ", parts,
-                          "; every rank of a group must make the same smp calls in the same "
-                          "order")));
+  post_and_throw(CommError(str_cat(
+      "smp: ranks ", list(agreeing), " of the ", anchor.group, " group ", list(anchor.members),
+      " called ", anchor.call, " (call #", anchor.seq, " on that group), but ", parts,
+      "; every rank of a group must make the same smp calls in the same order")));
 }
 
 // Posts the error as this rank's current state, so that members still waiting for this
@@ -207,14 +211,7 @@ void CallAgreement::agree(const std::string& group, const std::vector<int>& memb
     std::lock_guard<std::mutex> lock(mu_);
     seq = ++seq_[gkey];
   }
-  Posted mine;
-  mine.kind = Posted::kCall;
-  mine.group = group;
-  mine.members = members;
-  mine.seq = seq;
-  mine.call = call;
-  mine.host = host_;
-  mine.pid = getpid();
+  const Posted mine = Posted::of_call(group, members, seq, call, host_);
   const std::string counter = str_cat(prefix_, "/n/", gkey, "/", seq, "/", call);
   const std::string what = str_cat("ranks ", list({rank_}), " of the ", group, " group ",
                                    list(members), " called ", call, " (call #", seq,
@@ -250,20 +247,21 @@ void CallAgreement::agree(const std::string& group, const std::vector<int>& memb
       auto now = Clock::now();
       if (now >= next_look) {
         std::vector<int> problem;
+        std::string posted_error;  // a disagreement a member found: raise the same text
         for (int q : members) {
           if (q == rank_) continue;
           Posted p = read_current(q);
-          if (p.kind == Posted::kError) {  // a disagreement it found: raise the same
-            if (store_->add(counter, 0) >= size) break;
-            post_and_throw(CommError(p.how));
-          }
-          if (p.kind == Posted::kExited ||
-              (p.kind == Posted::kCall && p.key() == gkey && p.seq == seq && p.call != call) ||
-              (p.kind == Posted::kCall && p.key() != gkey && waits_for_me(p)))
+          if (p.kind == Posted::kError)
+            posted_error = p.how;
+          else if (p.kind == Posted::kExited ||
+                   (p.kind == Posted::kCall && p.key() == gkey && p.seq == seq &&
+                    p.call != call) ||
+                   (p.kind == Posted::kCall && p.key() != gkey && waits_for_me(p)))
             problem.push_back(q);
         }
-        if (!problem.empty()) {
-          if (store_->add(counter, 0) >= size) break;  // arrived meanwhile after all
+        if (!posted_error.empty() || !problem.empty()) {
+          if (store_->add(counter, 0) >= size) break;  // every member arrived meanwhile
+          if (!posted_error.empty()) post_and_throw(CommError(posted_error));
           fail(gkey, group, members, seq, call, problem);
         }
         next_look = now + std::chrono::milliseconds(100);
@@ -280,10 +278,10 @@ void CallAgreement::agree(const std::string& group, const std::vector<int>& memb
             last += str_cat("; rank ", q, p.kind == Posted::kCall ? " last " : " ", describe(p));
           }
         }
-        post_and_throw(TimeoutError(str_cat("smp: timed out after ", timeout_s_, " s waiting for ranks ",
-                                   list(missing), " of the ", group, " group ", list(members),
-                                   " to call ", call, " (call #", seq, " on that group; ranks ",
-                                   list(arrived), " called it)", last)));
+        post_and_throw(TimeoutError(str_cat(
+            "smp: timed out after ", timeout_s_, " s waiting for ranks ", list(missing),
+            " of the ", group, " group ", list(members), " to call ", call, " (call #", seq,
+            " on that group; ranks ", list(arrived), " called it)", last)));
       }
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(10000));

@@ -4,6 +4,7 @@
 #include "hooks/builtin.h"
 #include "hooks/debugging_hooks.h"
 #include "hooks/default_hooks.h"
+#include "hooks/quantization_hooks.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -96,8 +97,21 @@ TEST(DefaultHooks, Bf16SumOnGlooMatchesFloatSum) {
   });
 }
 
+// A constant gradient g > 0 quantizes to 255 with scale g / 255 and zero point 0, so
+// the dequantized mean is the exact mean up to float32 rounding. Several buckets (two
+// allgathers each, the second after waiting for the first) on 1-3 ranks.
+TEST(QuantizationHooks, PerTensorAndPerChannelAverage) {
+  for (int n = 1; n <= 3; ++n) {
+    check_hook(n, [](const ProcessGroupPtr&) { return quantization_pertensor_hook(); }, 1e-5);
+    check_hook(n, [](const ProcessGroupPtr&) { return quantization_perchannel_hook({}, 7); },
+               1e-5);
+  }
+  check_hook(2, [](const ProcessGroupPtr& pg) { return quantization_perchannel_hook(pg); }, 1e-5);
+  EXPECT_THROW(quantization_perchannel_hook({}, 0), ConfigError);
+}
+
 TEST(Builtin, NamesAndErrors) {
-  EXPECT_EQ(builtin_hook_names().size(), 8u);
+  EXPECT_EQ(builtin_hook_names().size(), 10u);
   for (const auto& name : builtin_hook_names()) {
     auto h = is_wrapper(name) ? make_builtin_hook(name, {}, allreduce_hook())
                               : make_builtin_hook(name);
@@ -109,7 +123,8 @@ TEST(Builtin, NamesAndErrors) {
   } catch (const ConfigError& e) {
     EXPECT_STREQ(e.what(), "smp: built-in hook 'powersgd' is not one of {allreduce, "
                            "batched_powerSGD, bf16_compress, bf16_compress_wrapper, "
-                           "fp16_compress, fp16_compress_wrapper, noop, powerSGD}");
+                           "fp16_compress, fp16_compress_wrapper, noop, powerSGD, "
+                           "quantization_perchannel, quantization_pertensor}");
   }
   EXPECT_THROW(make_builtin_hook("fp16_compress_wrapper"), ConfigError);
   EXPECT_THROW(make_builtin_hook("allreduce", {}, noop_hook()), ConfigError);

@@ -111,6 +111,16 @@ def test_state_dict_on_one_rank_while_the_other_exits(ranks, tmp_path):
         _RULE))
 
 
+def test_the_store_host_exits_while_the_other_rank_waits(ranks, tmp_path):
+    # Rank 0 hosts the job's store: it lingers at exit until rank 1 has read its mark.
+    res = _run(ranks, ["exit", "state_dict"], tmp_path, **PP2)
+    assert res[0].returncode == 0, res[0]
+    _assert_named(res, [1], re.escape(
+        "smp: ranks [1] of the pp group [0, 1] called model.state_dict() (call #") +
+        r"\d+" + re.escape(" on that group), but rank 0 exited without making that call" +
+        _RULE))
+
+
 def test_state_dict_on_one_rank_while_the_other_fails(ranks, tmp_path):
     res = _run(ranks, ["state_dict", "fail"], tmp_path, **PP2)
     assert res[1].returncode == 1 and "RuntimeError: boom on rank 1" in res[1].stderr, res[1]

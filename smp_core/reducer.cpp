@@ -901,7 +901,11 @@ void Reducer::register_comm_hook(CommHookPtr hook) {
 // the rebuilt ones afterwards; a state saved mid-training and loaded into a fresh
 // model therefore meets the constructor's layout in torch's first step. Giving the
 // hook the same sequence of layouts is what makes smp land where torch lands after
-// such a reload (the seed example of torch's comm-hook docs).
+// such a reload (the seed example of torch's comm-hook docs). smp takes torch's
+// constructor layout only where it holds the same buckets as smp's traced one, in
+// another order: where torch's groups parameters differently, a state saved from the
+// rebuilt layout does not fit torch's first step (torch fails), and smp keeps the
+// traced layout, where the state fits and training resumes exactly.
 void Reducer::use_torch_initial_layout() {
   auto& im = *impl_;
   std::lock_guard<std::mutex> lock(im.mu);
@@ -913,6 +917,16 @@ void Reducer::use_torch_initial_layout() {
                                          im.opts.first_bucket_bytes);
   std::reverse(fresh.begin(), fresh.end());
   if (fresh == im.layout) return;
+  // Only an order within the same buckets: where torch's constructor groups the
+  // parameters differently, its saved per-bucket state no longer fits on reload (torch
+  // fails there); the traced layout keeps such a state fitting, and resume exact.
+  if (fresh.size() != im.layout.size()) return;
+  for (size_t b = 0; b < fresh.size(); ++b) {
+    auto x = fresh[b], y = im.layout[b];
+    std::sort(x.begin(), x.end());
+    std::sort(y.begin(), y.end());
+    if (x != y) return;
+  }
   if (im.arena) im.make_arena(fresh);  // collective, as in apply_order()
   im.build_buckets(std::move(fresh));
 }

@@ -102,8 +102,9 @@ class Reducer {
 
   // Before the first step: lays the buckets out as torch's DistributedDataParallel
   // constructor does (each bucket in parameter registration order, the buckets from
-  // the last parameters to the first); the rebuild after the first step then orders
-  // them by gradient arrival, as torch's does. Collective over the group (every rank
+  // the last parameters to the first), if that holds the same buckets as the current
+  // layout in another order (else keeps it); the rebuild after the first step then
+  // orders them by gradient arrival, as torch's does. Collective over the group (every rank
   // calls it at the same point). Throws std::logic_error after the first step.
   // See Note [Hook buckets follow torch's] in reducer.cpp.
   void use_torch_initial_layout();

@@ -122,22 +122,14 @@ def test_python_hook_called_once_per_bucket(ranks):
     n = len(buckets)
     assert n >= 2, buckets  # tiny buckets: several
     param_shapes = sorted([[4], [4, 32], [32], [32, 32], [32], [32, 8]])
-    # Step 0 shows the hook torch DDP's constructor buckets, later steps the rebuilt
-    # ones, `buckets` (Note [Hook buckets follow torch's] in smp_core/reducer.cpp).
-    steps = [[]]
-    for c in calls:
-        steps[-1].append(c)
-        if c[1]:
-            steps.append([])
-    assert len(steps) == 4 and not steps[-1], calls  # once per bucket per step
-    assert all(len(per_step) == n for per_step in steps[1:3]), calls
-    for step, per_step in enumerate(steps[:3]):
-        m = len(per_step)
-        assert [c[0] for c in per_step] == list(range(m))  # launched in bucket order
-        assert [c[1] for c in per_step] == [False] * (m - 1) + [True]
+    assert len(calls) == 3 * n, calls  # once per bucket per step
+    for step in range(3):
+        per_step = calls[step * n:(step + 1) * n]
+        assert [c[0] for c in per_step] == list(range(n))  # launched in bucket order
+        assert [c[1] for c in per_step] == [False] * (n - 1) + [True]
         seen = []
         for index, is_last, numel, grads, params in per_step:
-            assert grads == params and (step == 0 or len(grads) == len(buckets[index]))
+            assert grads == params and len(grads) == len(buckets[index])
             assert numel == sum(math.prod(s) for s in grads)
             seen += grads
         assert sorted(seen) == param_shapes  # every parameter in exactly one bucket

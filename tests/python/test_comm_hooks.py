@@ -3,7 +3,8 @@
 - torch's own hooks (allreduce_hook, fp16_compress_hook, PowerSGD with
   process_group=None) on an smp model at pp=2 x dp=2 reduce over the dp group: equal
   to the plain module trained in one process on the full batch; PowerSGD's compressed
-  phase equals smp's own C++ PowerSGD in the same layout, and the replicas agree.
+  phase equals smp's own C++ PowerSGD in the same layout, and the replicas agree;
+  smp's post_localSGD_hook with a default subgroup (each node's part of the dp group).
 - A hook state naming a group other than the dp group raises on every rank.
 - smp's built-ins on torch's DistributedDataParallel: allreduce/fp16 bit-identical to
   torch's; PowerSGD with 4 buckets on Gloo for 20 compressed steps without an abort,
@@ -32,7 +33,7 @@ class Net(nn.Module):
         return self.head(torch.relu(self.fc3(h)))
 """
 
-# --- torch's hooks on an smp model at pp=2 x dp=2 -----------------------------------------
+# --- torch's hooks on an smp model at pp=2 x dp=2 -------------------------------------
 
 PP2 = NET + r"""
 import smp
@@ -55,6 +56,14 @@ if hook_name == "allreduce":
     model.register_comm_hook(None, th.allreduce_hook)
 elif hook_name == "fp16":
     model.register_comm_hook(None, th.fp16_compress_hook)
+elif hook_name == "post_localSGD":
+    from smp.ddp_comm_hooks import post_localSGD_hook as sls
+    # Global (dp) averaging for 3 steps, then within each node's part of the dp group:
+    # here the whole dp group (one host), so the plain module is the reference throughout.
+    state = sls.PostLocalSGDState(None, None, start_localSGD_iter=3)
+    model.register_comm_hook(state, sls.post_localSGD_hook)
+    assert state.process_group is smp.get_dp_process_group()
+    assert sorted(dist.get_process_group_ranks(state.subgroup)) == smp.get_dp_group()
 elif hook_name == "torch_psgd":
     state = tps.PowerSGDState(process_group=None, **kw)
     model.register_comm_hook(state, tps.powerSGD_hook)
@@ -87,7 +96,7 @@ for step in range(steps):
     nn.functional.mse_loss(plain(torch.cat([x for x, _ in full])),
                            torch.cat([y for _, y in full])).backward()
     plain_opt.step(); plain_opt.zero_grad()
-    if hook_name in ("allreduce", "fp16") or step == START - 1:
+    if hook_name in ("allreduce", "fp16", "post_localSGD") or step == START - 1:
         check_plain(1e-3 if hook_name == "fp16" else 1e-5)
 assert len(model._reducer.bucket_indices()) >= 2, model._reducer.bucket_indices()
 torch.save({n: p.detach() for n, p in model.local_named_parameters()}, f"{out}.{rank}")
@@ -95,7 +104,7 @@ print("ok", hook_name)
 """
 
 
-@pytest.mark.parametrize("hook", ["allreduce", "fp16"])
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "post_localSGD"])
 def test_torch_default_hooks_at_pp2_dp2_match_plain_module(ranks, tmp_path, hook):
     ranks(PP2, 4, args=(hook, str(tmp_path / hook)))
 
@@ -162,6 +171,7 @@ def test_explicit_non_dp_group_raises_on_every_rank(ranks):
 # --- smp's built-ins on torch's DistributedDataParallel -------------------------------
 
 ON_TORCH_DDP = NET + r"""
+import numpy as np
 from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.distributed.algorithms.ddp_comm_hooks as thc
 from torch.distributed.algorithms.ddp_comm_hooks import (
@@ -222,11 +232,22 @@ def counting(hook):
         buckets.add(bucket.index())
         return hook(state, bucket)
     return run
-ours = train(hooked(sps.PowerSGDState(None, **kw), counting(sps.powerSGD_hook)), cap=SMALL,
-             steps=22)
+ours_state, torch_state = sps.PowerSGDState(None, **kw), tps.PowerSGDState(None, **kw)
+ours = train(hooked(ours_state, counting(sps.powerSGD_hook)), cap=SMALL, steps=22)
 assert len(buckets) == 4, buckets
 same("powerSGD 4 buckets", ours,
-     train(hooked(tps.PowerSGDState(None, **kw), awaited(tps.powerSGD_hook)), cap=SMALL, steps=22))
+     train(hooked(torch_state, awaited(tps.powerSGD_hook)), cap=SMALL, steps=22))
+# The states pickle alike: torch's fields (no process group), the same values.
+mine, theirs = ours_state.__getstate__(), torch_state.__getstate__()
+assert "process_group" not in mine and set(theirs) <= set(mine), (set(theirs) - set(mine))
+for key, value in theirs.items():
+    if key == "rng":
+        assert all(np.array_equal(a, b) for a, b in zip(value.get_state(), mine[key].get_state()))
+    elif isinstance(value, dict):
+        assert value.keys() == mine[key].keys() and all(
+            torch.equal(value[b], mine[key][b]) for b in value), key
+    else:
+        assert value == mine[key], (key, value, mine[key])
 # Plain-allreduce phase: 4 buckets equal torch's hook with one bucket.
 kw1000 = dict(kw, start_powerSGD_iter=1000)
 same("powerSGD vanilla 4 vs 1 bucket",

@@ -154,7 +154,23 @@ std::shared_ptr<torch::jit::PythonFutureWrapper> run_on_torch_bucket(
   const double timeout = default_timeout();
   const std::string what = str_cat("bucket ", index, " of comm hook '", hook->name(),
                                    "' under torch DistributedDataParallel");
-  group_queue(queue_pg).submit(what, [hook, b, out, timeout, what] {
+  // A task the queue skips (an earlier one failed) is dropped unrun: its future must
+  // still complete, or torch's reducer would wait on it forever.
+  struct FailIfUnrun {
+    FuturePtr out;
+    std::string what;
+    bool ran = false;
+    ~FailIfUnrun() {
+      if (!ran)
+        out->setErrorIfNeeded(std::make_exception_ptr(CommError(str_cat(
+            "smp: ", what, " was not run: an earlier comm hook task on its group failed"))));
+    }
+  };
+  auto guard = std::make_shared<FailIfUnrun>();
+  guard->out = out;
+  guard->what = what;
+  group_queue(queue_pg).submit(what, [hook, b, out, timeout, what, guard] {
+    guard->ran = true;
     FuturePtr f;
     try {
       f = hook->run(*b);

@@ -343,6 +343,20 @@ same("post_localSGD node subgroup", train(hooked(st, sls.post_localSGD_hook)),
 model = smp.DistributedModel(Net())
 model.register_comm_hook(dist.group.WORLD, th.allreduce_hook)
 assert model._comm_hook[0] is smp.get_dp_process_group()
+
+# A hook that fails on the comm queue (a state from another model) raises from
+# backward on every rank, naming it; the buckets queued behind it fail too, no hang.
+# Last: the world group's queue stays failed in this process (its order is lost).
+small = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+m = DDP(small, bucket_cap_mb=SMALL)
+m.register_comm_hook(ours_state, sps.powerSGD_hook)
+try:
+    m(torch.randn(4, 8)).sum().backward()
+except RuntimeError as e:
+    assert "smp: powerSGD: the state's error_dict[0] holds 164 elements but bucket 0 " \
+           "needs 484 (state from a different model or bucket layout)" in str(e), e
+else:
+    raise AssertionError("a state of another model was accepted")
 print("all ok")
 """
 

@@ -47,7 +47,7 @@ def run(hook, state, bucket, channel_size=512):
 class CompressWrapper:
     """What fp16_compress_wrapper(hook) / bf16_compress_wrapper(hook) return: a hook
     `(state, bucket)` that runs `hook` on a compressed copy of the bucket. Pickles as
-    the call that made it."""
+    the wrapper of the same hook."""
 
     def __init__(self, kind, hook):
         if not callable(hook):
@@ -64,8 +64,7 @@ class CompressWrapper:
         return run(self, state, bucket)
 
     def __reduce__(self):
-        from smp.ddp_comm_hooks import default_hooks
-        return getattr(default_hooks, self._kind), (self._inner,)
+        return CompressWrapper, (self._kind, self._inner)
 
     def __eq__(self, other):
         return isinstance(other, CompressWrapper) and (self._kind, self._inner) == (

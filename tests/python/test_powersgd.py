@@ -15,16 +15,7 @@ import pytest
 
 NET = r"""
 import torch, torch.nn as nn
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 32)
-        self.head = nn.Linear(32, 4)
-    def forward(self, x):
-        h = torch.relu(self.fc1(x))
-        h = torch.relu(self.fc2(h))
-        return self.head(torch.relu(self.fc3(h)))
+from nets import Net  # tests/python/nets.py
 """
 
 PARITY = NET + r"""

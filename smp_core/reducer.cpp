@@ -17,6 +17,7 @@
 #include <unordered_set>
 
 #include "smp_core/comm_queue.h"
+#include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/autograd_graph.h"
 #include "smp_core/detail/shm_allreduce.h"
 #include "smp_core/errors.h"
@@ -118,7 +119,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   int rank = 0, world = 1;
   std::string group;  // "the dp process group (gloo, rank 0 of 2)"
 
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // kept alive
+  std::vector<compat::GradAccumulatorPtr> accumulators;  // kept alive
   std::vector<uintptr_t> hook_keys;
   std::unordered_map<const torch::autograd::Node*, int64_t> node_index;
 

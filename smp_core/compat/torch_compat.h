@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/autograd/variable.h>
 
 namespace smp::compat {
 
@@ -31,6 +32,12 @@ using StorePtr = c10::intrusive_ptr<::c10d::Store>;
 ProcessGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
                                 std::chrono::milliseconds timeout,
                                 const std::string& hostname);
+
+// The node that accumulates a leaf tensor's gradient, as grad_accumulator() returns it:
+// std::shared_ptr<Node> in torch 1.13, c10::intrusive_ptr<Node> in torch 2.x (seen on
+// 2.15). Holding it keeps the node (and the hooks on it) alive.
+using GradAccumulatorPtr =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 // Name of the backend of `pg` ("gloo", "nccl", ...).
 std::string backend_name(const ProcessGroupPtr& pg);

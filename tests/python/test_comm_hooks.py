@@ -271,8 +271,11 @@ def ref_quantization(per_channel, bucket_size=512):
         sz = torch.stack((s, z)) if per_channel else torch.FloatTensor([s, z])
         all_sz = [torch.zeros_like(sz) for _ in range(world)]
         dist.all_gather(all_sz, sz, group=group)
-        quant = tq._quantize_per_channel_cuda if per_channel else tq._quantize_per_tensor_cuda
-        deq = tq._dequantize_per_channel_cuda if per_channel else tq._dequantize_per_tensor_cuda
+        kind = "per_channel" if per_channel else "per_tensor"
+        # torch's own helpers: *_cuda in torch 1.13, *_backend in torch 2.x.
+        helper = lambda op: getattr(tq, f"_{op}_{kind}_backend", None) or getattr(
+            tq, f"_{op}_{kind}_cuda")
+        quant, deq = helper("quantize"), helper("dequantize")
         q = quant(t, all_sz[me][0], all_sz[me][1])
         all_q = [torch.zeros_like(q) for _ in range(world)]
         dist.all_gather(all_q, q, group=group)

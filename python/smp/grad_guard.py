@@ -30,7 +30,7 @@ class UnreducedGradientError(RuntimeError):
 class GradGuard:
     """Hooks the gradient accumulators of `named_params` (name, Parameter) for `model`.
 
-    `expect()` is a context manager around smp's own backward; `model._in_step` and
+    The guard is a context manager around smp's own backward; `model._in_step` and
     the rank's pp position tell the rest (Note [Unreduced gradients]).
     """
 
@@ -72,20 +72,15 @@ class GradGuard:
             f"true it would not be reduced across the {dp} model replicas, which would "
             f"drift apart. To fix: {fix} (rank {core.rank()})")
 
-    def expect(self):
-        """Context manager: gradients arriving inside it are smp's own."""
-        guard = self
+    def __enter__(self):
+        """`with guard:` around smp's own backward: gradients arriving inside are smp's."""
+        with self._lock:
+            self._depth += 1
 
-        class _Expect:
-            def __enter__(self):
-                with guard._lock:
-                    guard._depth += 1
-
-            def __exit__(self, *exc):
-                with guard._lock:
-                    guard._depth -= 1
-                return False
-        return _Expect()
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+        return False
 
     def remove(self):
         for h in self._handles:

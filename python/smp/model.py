@@ -11,6 +11,7 @@ Gradient averaging (explicit, see docs/data_parallel.md):
 - over dp ranks: the comm hook averages (the default allreduce hook divides by the dp
   group size before the sum, as torch DDP does).
 """
+import contextlib
 import threading
 
 import torch
@@ -305,10 +306,7 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                 self._make_reducer()
             self._reducer.prepare_for_backward(self._sync_backward, 1.0, tensors)
             self._synced_this_step |= self._sync_backward
-        if self._grad_guard is None:
-            torch.autograd.backward(tensors, grad_tensors)
-            return
-        with self._grad_guard.expect():
+        with self._grad_guard or contextlib.nullcontext():
             torch.autograd.backward(tensors, grad_tensors)
 
     # --- Join (uneven inputs; smp/join.py, docs/join.md) -------------------------------

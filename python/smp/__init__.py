@@ -68,5 +68,3 @@ __all__ = [
     "clip_grad_norm_", "ModelMismatchError", "UnreducedGradientError", "TiedCopiesError", "__version__", "CheckpointError", "save", "load", "save_checkpoint",
     "resume_from_checkpoint",
 ]
-
-checkpoint._register_hook_pickling()

@@ -12,7 +12,6 @@ A parts of a save (each rank the parts that hold its layers, see `_my_parts`), a
 each rank owns from the rank that read it. See docs/checkpoint.md.
 """
 import copy
-import copyreg
 import os
 import pickle
 import random
@@ -95,41 +94,11 @@ def _missing_directory(fn, path):
 
 
 # --- pickling of comm hooks and their states ---------------------------------------------
-# Built-in hooks are C++ objects: they pickle by reference to their module attribute.
-# A hook state's process group never enters a file: states drop it (`__getstate__`) or,
-# when they do not, a copy with `process_group=None` is saved; on load smp's dp group is
-# put back (see _rebind_comm_hook_state).
-
-def _builtin_hook_by_name(module, name):
-    import importlib
-    return getattr(importlib.import_module(module), name)
-
-
-def _hook_modules():
-    from smp.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
-    return (default_hooks, debugging_hooks, powerSGD_hook)
-
-
-def _reduce_builtin_hook(hook):
-    for mod in _hook_modules():
-        for name in getattr(mod, "__all__", ()):
-            if getattr(mod, name, None) is hook:
-                return _builtin_hook_by_name, (mod.__name__, name)
-    # Not a module attribute (a wrapper such as fp16_compress_wrapper(hook)): the hook's
-    # own pickling, by name and inner hook (python/csrc/bind_reducer.cpp).
-    return hook.__reduce_ex__(2)
-
-
-def _register_hook_pickling():
-    types = set()
-    for mod in _hook_modules():
-        for name in getattr(mod, "__all__", ()):
-            obj = getattr(mod, name, None)
-            if obj is not None and type(obj).__module__ in ("smp._C", "_C"):
-                types.add(type(obj))
-    for t in types:
-        copyreg.pickle(t, _reduce_builtin_hook)
-
+# Built-in hooks are module-level Python functions (smp/ddp_comm_hooks/_builtin.py):
+# they pickle by reference as any function does. A hook state's process group never
+# enters a file: states drop it (`__getstate__`) or, when they do not, a copy with
+# `process_group=None` is saved; on load smp's dp group is put back
+# (see _rebind_comm_hook_state).
 
 def _strip_comm_hook_state(obj):
     if isinstance(obj, dict) and "comm_hook_state" in obj:

@@ -1,20 +1,36 @@
 # smp front door. `make demo` and `make test` do everything on a fresh Debian 12 machine.
+#
+# Torch comes from pip: `make deps` creates the virtual environment $(VENV) holding the
+# torch, numpy and pytest pinned in requirements.txt, and everything builds, tests and
+# runs with its python. TORCH=debian builds against Debian's torch 1.13 instead (the
+# oldest supported; `make test-oldest` runs the whole suite that way in build-torch1.13).
+TORCH       ?= pip
+VENV        ?= .venv
+ifeq ($(TORCH),debian)
 PYTHON      ?= /usr/bin/python3
+BUILD_DIR   ?= build-torch1.13
+else
+PYTHON      ?= $(VENV)/bin/python
 BUILD_DIR   ?= build
+endif
 PREFIX      ?= /usr/local
 JOBS        ?= $(shell nproc)
 # Debian packages the project builds and runs with (see README: "Dependencies").
-DEB_PACKAGES := cmake g++ make ninja-build libtorch-dev python3-torch libgloo-dev pybind11-dev \
-                libboost-serialization-dev libgtest-dev python3-pytest libopenblas0-pthread \
+DEB_PACKAGES := cmake g++ make ninja-build python3-dev python3-venv libgloo-dev \
+                libboost-serialization-dev libgtest-dev \
                 libcli11-dev nlohmann-json3-dev libxxhash-dev procps iproute2
+ifeq ($(TORCH),debian)
+DEB_PACKAGES += libtorch-dev python3-torch pybind11-dev python3-pytest libopenblas0-pthread
+endif
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+VENV_STAMP := $(VENV)/.smp-requirements
 
-.PHONY: all deps build test test-cpp test-python demo bench install clean
+.PHONY: all deps deb-deps build test test-cpp test-python test-oldest demo bench install clean
 
 all: build
 
 # Installs only what is missing; runs `apt-get update` only when something is.
-deps:
+deb-deps:
 	@missing=$$(for p in $(DEB_PACKAGES); do \
 	    dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed$$' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -23,9 +39,22 @@ deps:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; \
 	else echo "smp: all Debian packages present"; fi
 
+# The environment is (re)built when requirements.txt changes; a half-built one (an
+# interrupted pip) has no stamp and is retried.
+$(VENV_STAMP): requirements.txt | deb-deps
+	@[ -x $(VENV)/bin/python ] || /usr/bin/python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+	@cp requirements.txt $@
+
+ifeq ($(TORCH),debian)
+deps: deb-deps
+else
+deps: deb-deps $(VENV_STAMP)
+endif
+
 $(BUILD_DIR)/build.ninja:
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
-	  -DPython_EXECUTABLE=$(PYTHON) -DCMAKE_INSTALL_PREFIX=$(PREFIX)
+	  -DPython_EXECUTABLE=$(abspath $(PYTHON)) -DCMAKE_INSTALL_PREFIX=$(PREFIX)
 
 build: deps $(BUILD_DIR)/build.ninja
 	cmake --build $(BUILD_DIR) -j $(JOBS)
@@ -38,6 +67,10 @@ test-python: build
 	  $(PYTHON) -m pytest -q -ra tests/python
 
 test: test-cpp test-python
+
+# The whole suite against the oldest supported torch (Debian's 1.13), in its own build dir.
+test-oldest:
+	$(MAKE) test TORCH=debian
 
 demo: build
 	$(BUILD_DIR)/bin/smprun --nproc_per_node 4 --config '{"partitions": 2, "microbatches": 4, "ddp": true}' \

@@ -46,6 +46,14 @@ std::string make_dirs(const std::string& path) {
 
 int run(int argc, char** argv) {
   EnvMap env = current_env();
+  char exe[4096];
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  const std::string exe_path = n > 0 ? std::string(exe, static_cast<size_t>(n)) : "";
+  // smprun installed into a Python environment runs .py programs with its python.
+  if (env.count("SMP_PYTHON") == 0 || env["SMP_PYTHON"].empty()) {
+    std::string python = environment_python(exe_path);
+    if (!python.empty()) env["SMP_PYTHON"] = python;
+  }
   ParseResult parsed = parse_options(std::vector<std::string>(argv, argv + argc), env);
   if (parsed.status == -1) {
     write_all(STDOUT_FILENO, parsed.help);
@@ -53,9 +61,7 @@ int run(int argc, char** argv) {
   }
   if (parsed.status != 0) return fail(kExitBadInput, parsed.error);
   const LaunchOptions& options = parsed.options;
-  char exe[4096];
-  ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n > 0) add_smp_package_path(std::string(exe, static_cast<size_t>(n)), env);
+  if (!exe_path.empty()) add_smp_package_path(exe_path, env);
   if (!options.log_dir.empty()) {
     std::string error = make_dirs(options.log_dir);
     if (!error.empty()) return fail(kExitBadInput, error);

@@ -18,7 +18,8 @@ constexpr const char* kFooter = R"(
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR,
 MASTER_PORT, SMP_RESTART_COUNT, SMP_CONFIG (only with --config), and OMP_NUM_THREADS /
 OPENBLAS_NUM_THREADS = max(1, cores / nproc_per_node) unless already set. A PROGRAM ending
-in .py runs with $SMP_PYTHON (default: the Python that has torch). Output lines are
+in .py runs with $SMP_PYTHON (default: the python of the virtual environment smprun is
+installed in, else the Python smp was built for). Output lines are
 prefixed with the global rank, e.g. "[3] ...". Defaults come from SLURM, Open MPI or
 SageMaker environment variables when present; flags win. Node 0 coordinates a multi-node
 job on control port master_port + 1. Exit status: 0 all ranks succeeded, 1 a rank or node
@@ -96,6 +97,18 @@ bool load_config(const std::string& value, std::string* json, std::string* error
   }
   *json = parsed.dump();
   return true;
+}
+
+std::string environment_python(const std::string& exe) {
+  size_t slash = exe.rfind('/');
+  if (slash == std::string::npos) return "";
+  const std::string bin = exe.substr(0, slash);
+  const std::string prefix = bin.substr(0, bin.rfind('/') == std::string::npos ? 0 : bin.rfind('/'));
+  struct stat st {};
+  const bool is_env = stat((prefix + "/pyvenv.cfg").c_str(), &st) == 0 ||
+                      stat((prefix + "/conda-meta").c_str(), &st) == 0;
+  const std::string python = bin + "/python";
+  return is_env && access(python.c_str(), X_OK) == 0 ? python : "";
 }
 
 std::string resolve_program(const std::string& program, const EnvMap& env,

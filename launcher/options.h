@@ -84,6 +84,10 @@ bool load_config(const std::string& value, std::string* json, std::string* error
 
 // Resolves PROGRAM: .py -> {python, program}; otherwise an executable path or a name on
 // PATH. Returns "" and sets *argv, or an error message.
+// The interpreter of the Python environment (venv or conda) whose bin/ holds `exe`, the
+// smprun being run, as after `pip install .`; "" when `exe` is not in one.
+std::string environment_python(const std::string& exe);
+
 std::string resolve_program(const std::string& program, const EnvMap& env,
                             std::vector<std::string>* argv);
 

@@ -92,6 +92,23 @@ TEST_F(OptionsTest, ProgramOnPathAndSmpPython) {
   EXPECT_EQ(r.options.command.front(), "/bin/sh");
 }
 
+// smprun installed into a virtual environment (pip install .) or a conda environment
+// runs .py programs with that environment's python; elsewhere (build/bin, /usr/local/bin)
+// it names none and the built-in default applies.
+TEST_F(OptionsTest, EnvironmentPythonBesideSmprun) {
+  const std::string bin = dir_ + "/env/bin";
+  ASSERT_EQ(std::system(("mkdir -p " + bin).c_str()), 0);
+  std::ofstream(bin + "/python") << "#!/bin/sh\n";
+  chmod((bin + "/python").c_str(), 0755);
+  EXPECT_EQ(environment_python(bin + "/smprun"), "");  // no pyvenv.cfg: not an environment
+  std::ofstream(dir_ + "/env/pyvenv.cfg") << "home = /usr/bin\n";
+  EXPECT_EQ(environment_python(bin + "/smprun"), bin + "/python");
+  EXPECT_EQ(environment_python(dir_ + "/smprun"), "");
+  EXPECT_EQ(environment_python("smprun"), "");
+  chmod((bin + "/python").c_str(), 0644);
+  EXPECT_EQ(environment_python(bin + "/smprun"), "");  // not executable
+}
+
 TEST_F(OptionsTest, HelpNamesEveryFlag) {
   ParseResult r = parse({"--help"});
   EXPECT_EQ(r.status, -1);

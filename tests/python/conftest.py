@@ -10,7 +10,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.path.abspath(os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build")))
-PYTHON = os.environ.get("SMP_PYTHON", "/usr/bin/python3")
+# Ranks and helper processes run with the interpreter running pytest (make test: .venv's,
+# whose torch the build used), unless SMP_PYTHON names another.
+PYTHON = os.environ.get("SMP_PYTHON") or sys.executable
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Installs the built Python packages `smp` and `smdistributed` (from <build>/python).
 
-Usage (run with the interpreter that will import them, /usr/bin/python3 here):
+Usage (run with the interpreter that will import them, .venv/bin/python here):
     python3 tools/install_python.py BUILD_PYTHON_DIR [--prefix PREFIX | --target DIR]
     python3 tools/install_python.py BUILD_PYTHON_DIR --uninstall [...]
 

@@ -302,15 +302,17 @@ void CallAgreement::mark_exited(const std::string& how, double linger_s) {
     const std::string enc = gone.encode();
     if (!failed_)  // an error this rank raised in a call says more than "exited"
       store_->set(str_cat(prefix_, "/cur/", rank_), std::vector<uint8_t>(enc.begin(), enc.end()));
+    store_->set(str_cat(prefix_, "/gone/", rank_), std::vector<uint8_t>{1});
     if (linger_s <= 0 || !is_initialized()) return;
     const int world = runtime().env().world_size;
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double>(linger_s));
     while (Clock::now() < deadline) {
-      bool waited_on = false;
-      for (int q = 0; q < world && !waited_on; ++q)
-        waited_on = q != rank_ && waits_for_me(read_current(q));
-      if (!waited_on) return;
+      bool in_use = false;  // a peer that has not marked itself gone may use the store
+      for (int q = 0; q < world && !in_use; ++q)
+        in_use = q != rank_ && !store_->check({str_cat(prefix_, "/gone/", q)}) &&
+                 read_current(q).kind != Posted::kExited;  // (killed: its pid is gone)
+      if (!in_use) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   } catch (const std::exception&) {

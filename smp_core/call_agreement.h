@@ -61,9 +61,11 @@ class CallAgreement {
              const std::string& call);
 
   // Marks this rank as gone (`how`: "exited", or "failed (RuntimeError: ...)"); peers
-  // waiting for it in agree() raise at once. Then, for up to `linger_s`, waits while a
-  // peer is waiting in a call that needs this rank, so it reads the mark before this
-  // process (which may host the store) ends.
+  // waiting for it in agree() raise at once. Then, for up to `linger_s`, waits until
+  // every peer has marked itself gone too, so that this process (which may host the
+  // store) outlives the peers' last use of it: a peer already waiting reads the mark,
+  // one that arrives at a call later still finds the store and the mark (not a reset
+  // connection), and peers' own exit marks reach it.
   void mark_exited(const std::string& how, double linger_s);
 
   const StorePtr& store() const { return store_; }

@@ -1,4 +1,5 @@
 """Shared helpers: run a script as N real ranks (processes) on loopback."""
+import atexit
 import os
 import socket
 import subprocess
@@ -14,6 +15,8 @@ BUILD = os.path.abspath(os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "buil
 # whose torch the build used), unless SMP_PYTHON names another.
 PYTHON = os.environ.get("SMP_PYTHON") or sys.executable
 sys.path.insert(0, os.path.join(BUILD, "python"))
+
+import rank_forkserver  # noqa: E402  (beside this file)
 
 
 def free_port():
@@ -46,6 +49,30 @@ def rank_env(rank, world, port, extra=None):
     return env
 
 
+_fork_servers = {}  # rank slot -> rank_forkserver.ForkServer (Note [Rank fork servers])
+
+
+def _start_rank(slot, argv, env, cwd):
+    """A Popen-like rank: forked from slot's pre-imported server when its start-up
+    environment allows (rank_forkserver.py), else a fresh interpreter."""
+    if os.environ.get("SMP_TEST_FRESH_PROCESSES") != "1":
+        server = _fork_servers.get(slot)
+        if server is None:
+            server = _fork_servers[slot] = rank_forkserver.ForkServer(
+                PYTHON, rank_env(slot, 1, 0))
+        if rank_forkserver.startup_env(env) == server.env:
+            stem = os.path.join(server.output_dir, f"rank{slot}_{time.monotonic_ns()}")
+            return server.spawn(argv, env, cwd, stem + ".out", stem + ".err")
+    return subprocess.Popen([PYTHON, *argv], env=env, cwd=str(cwd), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@atexit.register
+def _stop_fork_servers():
+    for server in _fork_servers.values():
+        server.close()
+
+
 def run_ranks(script, world, tmp_path, env=None, per_rank_env=None, timeout=120, args=()):
     """Runs `script` (source text) as `world` processes; returns a RankResult per rank.
 
@@ -60,8 +87,7 @@ def run_ranks(script, world, tmp_path, env=None, per_rank_env=None, timeout=120,
         e = rank_env(r, world, port, env)
         if per_rank_env:
             e.update({k: str(v) for k, v in per_rank_env(r).items()})
-        procs.append(subprocess.Popen([PYTHON, str(path), *args], env=e, cwd=str(tmp_path),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(_start_rank(r, [str(path), *args], e, tmp_path))
     deadline = time.monotonic() + timeout
     results = []
     for r, p in enumerate(procs):

@@ -41,6 +41,14 @@ EnvMap rank_environment(const EnvMap& base, const LaunchOptions& o, int local_ra
 }
 
 std::string add_smp_package_path(const std::string& exe_path, EnvMap& env) {
+#ifdef SMP_LAUNCHER_IN_WHEEL
+  // pip installed this smprun with its smp into the interpreter's site-packages: a
+  // `make install` tree in the same prefix (pip and make both default to /usr/local)
+  // must not shadow that smp through PYTHONPATH.
+  (void)exe_path;
+  (void)env;
+  return "";
+#endif
   std::string bin = exe_path.substr(0, exe_path.find_last_of('/'));
   for (const char* rel : {"/../python", "/../lib/smp/python"}) {
     std::string dir = bin + rel;

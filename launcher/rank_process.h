@@ -27,7 +27,8 @@ EnvMap rank_environment(const EnvMap& base, const LaunchOptions& options, int lo
 // Prepends to PYTHONPATH in `env` the `smp` package that ships with the launcher at
 // `exe_path` (the build tree's <bin>/../python, or an install's <bin>/../lib/smp/python),
 // so `import smp` works in the ranks without setting PYTHONPATH by hand. Returns the
-// directory added, or "" when neither holds smp/__init__.py.
+// directory added, or "" when neither holds smp/__init__.py, and always "" in smprun
+// built by `pip install .` (SMP_LAUNCHER_IN_WHEEL), whose smp is in site-packages.
 std::string add_smp_package_path(const std::string& exe_path, EnvMap& env);
 
 // Global rank of a local rank.

@@ -302,7 +302,7 @@ if phase == "first":
     model.register_comm_hook(state, hook)
     start = 0
 else:
-    ck = torch.load(f"{ckpt}.{rank}")
+    ck = torch.load(f"{ckpt}.{rank}", weights_only=False)  # hook objects: full pickle
     model.load_state_dict(ck["state_dict"])
     assert ck["comm_hook_state"].process_group is smp.get_dp_process_group()
     model.register_comm_hook(ck["comm_hook_state"], ck["comm_hook"])
@@ -460,12 +460,12 @@ if phase == "first":
     smp_state = smp_powerSGD.PowerSGDState(process_group=None, start_powerSGD_iter=2)
     smp_model.register_comm_hook(smp_state, smp_powerSGD.powerSGD_hook)
 else:
-    checkpoint = torch.load(f"{ckpt}.torch")
+    checkpoint = torch.load(f"{ckpt}.torch", weights_only=False)  # hook objects: full pickle
     ddp_model = DistributedDataParallel(SimpleModel())
     ddp_model.load_state_dict(checkpoint["state_dict"])
     ddp_model.register_comm_hook(checkpoint["comm_hook_state"], checkpoint["comm_hook"])
     state = checkpoint["comm_hook_state"]
-    checkpoint = torch.load(f"{ckpt}.smp")
+    checkpoint = torch.load(f"{ckpt}.smp", weights_only=False)
     smp_model = smp.DistributedModel(SimpleModel())
     smp_model.load_state_dict(checkpoint["state_dict"])
     smp_model.register_comm_hook(checkpoint["comm_hook_state"], checkpoint["comm_hook"])

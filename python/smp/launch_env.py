@@ -7,7 +7,7 @@ Sources, first match wins (docs/launcher.md, "Launching without smprun"):
    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Under
    torchrun (``TORCHELASTIC_RUN_ID`` set) the store comes from torch's own ``env://``
    rendezvous handler, which connects to the agent's store as a client when
-   ``TORCHELASTIC_USE_AGENT_STORE=True`` and prefixes it with the restart attempt.
+   ``TORCHELASTIC_USE_AGENT_STORE=True``; smp's keys carry the restart attempt.
 2. ``OMPI_COMM_WORLD_RANK`` set: a script started directly by Open MPI's ``mpirun``.
 3. ``SLURM_PROCID`` set: a script started directly by ``srun``.
 4. None of them: a world of 1.
@@ -107,7 +107,12 @@ def from_environment(env=None):
         world = _int(env, "WORLD_SIZE", why)
         local_rank = _int(env, "LOCAL_RANK", why, default=rank)
         local_size = _int(env, "LOCAL_WORLD_SIZE", why, default=world)
-        if world == 1 or source == "torchelastic":
+        if source == "torchelastic":
+            # See Note [Keys per torchrun attempt].
+            attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+            return WorldEnv(source, rank, world, local_rank, local_size,
+                            key_prefix=f"smp/torchelastic/attempt_{attempt}/")
+        if world == 1:
             return WorldEnv(source, rank, world, local_rank, local_size)
         port = _int(env, "MASTER_PORT", "", default=0)
         if port <= 0:
@@ -233,6 +238,15 @@ def rendezvous(world_env, timeout_s, wait_for_listener):
     generation = next(_generations)
     prefix = e.key_prefix + (f"smp/init_{generation}/" if generation else "")
     return dist.PrefixStore(prefix, store) if prefix else store
+
+
+# Note [Keys per torchrun attempt]: torchrun's agent keeps one store for the whole job
+# and restarts the workers on it. torch 1.13's env:// handler prefixed the agent's store
+# with "/worker/attempt_<restart>" for them; torch 2.15's does not ("a new TCPStore for
+# every retry" says its comment, but the agent's store and its keys stay), so a restarted
+# worker read the previous attempt's init keys: "config 'microbatches' differs across
+# ranks" or a dead Gloo peer's address. smp's own keys therefore carry
+# TORCHELASTIC_RESTART_COUNT, whatever torch does (test_torchrun_restart_gets_a_fresh_store).
 
 
 def _connect(e, timeout_s, wait_for_listener):

@@ -19,6 +19,7 @@
 #include "smp_core/comm_queue.h"
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/autograd_graph.h"
+#include "smp_core/device_sync.h"
 #include "smp_core/detail/shm_allreduce.h"
 #include "smp_core/errors.h"
 
@@ -612,10 +613,15 @@ void Reducer::Impl::launch_locked(size_t b, bool shadow) {
       bk.offsets, pg, shadow);
   runs[b] = run;
   std::string what = bucket_what(b);
+  // See Note [Streams across threads]: the copies into the bucket were queued on this
+  // thread's stream; the comm thread's stream waits for them.
+  auto produced = device::StreamPoint::record(run->bucket->buffer().device());
   // See Note [Ordered bucket communication]: a hook that issues all its collectives in
   // run() lets the comm thread go on at once; any other is waited for here.
-  tickets[b] = queue->submit(what, [run, h = hook, s = opts.timeout_s, what] {
+  tickets[b] = queue->submit(what, [run, h = hook, s = opts.timeout_s, what, produced] {
     run->start = Clock::now();
+    produced.block_current();
+    device::record_current_stream(run->bucket->buffer());
     try {
       FuturePtr fut = h->run(*run->bucket);
       SMP_CHECK(fut, "comm hook '", h->name(), "' returned no future");

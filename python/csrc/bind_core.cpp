@@ -7,6 +7,7 @@
 #include "smp_core/call_agreement.h"
 #include "smp_core/comm.h"
 #include "smp_core/config.h"
+#include "smp_core/device_sync.h"
 #include "smp_core/errors.h"
 #include "smp_core/runtime.h"
 #include "smp_core/topology.h"
@@ -76,6 +77,15 @@ void bind_core(py::module_& m) {
     return Config::from_json(json, rank).to_json();
   }, py::arg("json"), py::arg("rank") = -1,
         "Validates a config JSON object; returns the canonical resolved JSON.");
+  m.def("build_info", [] {
+    auto info = smp::device::build_info();
+    py::dict d;
+    d["torch_version"] = info.torch_version;
+    d["cuda"] = info.cuda;
+    d["nccl"] = info.nccl;
+    d["cuda_paths"] = info.cuda_paths;
+    return d;
+  }, "What this build compiled: the torch it compiled against and its CUDA/NCCL paths.");
   m.def("config_keys", &config_keys);
   m.def("describe_config_disagreement", &describe_config_disagreement);
   m.def("config_from_environment", &config_from_environment);

@@ -65,6 +65,9 @@ test-cpp: build
 test-python: build
 	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python SMP_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
 	  $(PYTHON) -m pytest -q -ra tests/python
+	@# The GPU suite (docs/gpu.md) on its own: it skips cleanly where torch sees no GPU.
+	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python SMP_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
+	  $(PYTHON) -m pytest -q -ra tests/gpu
 
 test: test-cpp test-python
 

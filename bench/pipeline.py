@@ -35,7 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BUILD = os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build"))
-PYTHON = os.environ.get("SMP_PYTHON", "/usr/bin/python3")
+PYTHON = os.environ.get("SMP_PYTHON", sys.executable)  # every side on one torch
 S, M, BATCH, WIDTH, DEPTH = 2, 8, 256, 768, 8
 
 
@@ -151,12 +151,13 @@ def run_pipeline(steps, overlap=True):
     ms = (time.perf_counter() - start) / steps * 1e3
     s1 = model._engine.p2p.stats()
     c1 = model._engine.compute_s
-    work = reference_work_ms(net, model, steps)
+    # The pp x dp runs report ms only; with ddp a backward outside @smp.step is refused.
+    work = reference_work_ms(net, model, steps) if smp.dp_size() == 1 else None
     # Per request served on a stage rank (the driver runs the step body, not requests):
     # the compute-token time per step beyond the modules' own forward and backward in
     # those requests (dispatch), and beyond the reference work (overhead).
     overhead = dispatch = None
-    if smp.pp_rank():
+    if smp.pp_rank() and work is not None:
         requests = (s1.messages_received - s0.messages_received) / steps - 1  # not STEP_END
         held = (s1.token_held_s - s0.token_held_s) / steps * 1e3
         dispatch = round((held - (c1 - c0) / steps * 1e3) / requests, 3)
@@ -170,8 +171,11 @@ def run_pipeline(steps, overlap=True):
     overheads = smp.allgather(overhead)
     dispatches = smp.allgather(dispatch)
     works = smp.allgather(work)
+    plan = model.partition_plan()
+    split = [plan[str(i)]["partition"] for i in range(len(net))]
     if smp.rank() == 0:
         print("RESULT " + json.dumps({"ms": ms, "loss0": first, "peak_act_mb": peaks,
+                                      "split": split,
                                       "param_mb": params, "request_overhead_ms": overheads,
                                       "request_dispatch_ms": dispatches,
                                       "work_ms": works}))
@@ -217,7 +221,7 @@ MALLOC = {"default": None, "tuned": TUNED_MALLOC}
 
 
 def _python_env(malloc=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", SMP_PYTHON=PYTHON)
     env["PYTHONPATH"] = os.path.join(BUILD, "python") + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("GLIBC_TUNABLES", None)
     if malloc:
@@ -248,6 +252,19 @@ def pipelined(steps, schedule, malloc=None, dp=1, overlap=True):
     return json.loads(line[0].split("RESULT ", 1)[1])
 
 
+def torch_pipelining(steps, split, malloc=None):
+    """torch.distributed.pipelining's schedules on smp's split (bench/pipeline_torch.py)."""
+    cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", str(S),
+           os.path.join(HERE, "pipeline_torch.py"), "--steps", str(steps),
+           "--split", ",".join(map(str, split))]
+    out = subprocess.run(cmd, env=_python_env(malloc), capture_output=True, text=True,
+                         timeout=600)
+    line = [ln for ln in out.stdout.splitlines() if "RESULT " in ln]
+    if out.returncode or not line:
+        sys.exit(f"torch pipelining run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(line[0].split("RESULT ", 1)[1])
+
+
 def parallel_efficiency(steps, malloc):
     """One single-process run alone vs two at once: how much 2 busy cores slow each."""
     alone = single(steps, malloc=malloc)["ms"]
@@ -257,6 +274,27 @@ def parallel_efficiency(steps, malloc):
     both = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])["ms"]
             for p in procs]
     return alone / statistics.mean(both)
+
+
+def peer_figures(peers, smp_ms, loss0, sfx):
+    """torch.distributed.pipelining's figures for the JSON line: each schedule's median
+    ms/step over the rounds, the best one, smp's step over the best's, and every
+    schedule's error text (unavailable, or failed on Gloo/CPU)."""
+    names = [n for n in peers[0]["ms"] if all(n in p["ms"] for p in peers)]
+    med = {n: round(statistics.median(p["ms"][n] for p in peers), 1) for n in names}
+    errors = {k: v for p in peers for k, v in p["errors"].items()}
+    for n, l0 in peers[0]["loss0"].items():  # the same first step as one process
+        if abs(l0 - loss0) > 1e-4:
+            errors[n] = f"first loss {l0} differs from one process's {loss0}"
+            med.pop(n, None)
+    fig = {"torch_pp_ms" + sfx: med}
+    if errors:
+        fig["torch_pp_errors" + sfx] = errors
+    if med:
+        best = min(med, key=med.get)
+        fig.update({"torch_pp_best" + sfx: best, "torch_pp_best_ms" + sfx: med[best],
+                    "ratio_vs_torch_pp" + sfx: round(smp_ms / med[best], 3)})
+    return fig
 
 
 def main():
@@ -276,10 +314,11 @@ def main():
     out = {"bench": "pipeline", "pp": S, "microbatches": M, "batch": BATCH,
            "gpipe_bound": round(gpipe, 3)}
     for mode, malloc in MALLOC.items():
-        singles, singles_mb, pipes = [], [], []
+        singles, singles_mb, pipes, peers = [], [], [], []
         for _ in range(args.rounds):  # alternate, so drift of the machine hits all alike
             singles.append(single(args.steps, malloc=malloc))
             pipes.append(pipelined(args.steps, "interleaved", malloc))
+            peers.append(torch_pipelining(args.steps, pipes[-1]["split"], malloc))
             singles_mb.append(single(args.steps, M, malloc))
         # Same seed, same first batch: the first losses agree (a correctness check).
         if abs(singles[0]["loss0"] - pipes[0]["loss0"]) > 1e-4:
@@ -295,6 +334,7 @@ def main():
         works = [statistics.median(p["work_ms"][r] for p in pipes) for r in range(S)]
         best_ms = max(works) + works[0] / M
         sfx = "" if mode == "default" else "_" + mode + "_malloc"
+        out.update(peer_figures(peers, smp_ms, singles[0]["loss0"], sfx))
         out.update({
             "smp_ms" + sfx: round(smp_ms, 1), "single_ms" + sfx: round(single_ms, 1),
             "speedup" + sfx: round(single_ms / smp_ms, 3),

@@ -5,7 +5,7 @@ batch 64 per rank, SGD. Both models start equal and see the same data; blocks of
 of each are timed alternately so drift of the machine hits both alike, and their
 parameters must still agree at the end. Prints one JSON line (ratio = smp / torch).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/ddp.py [--rounds 5] [--steps 10]
+    PYTHONPATH=build/python .venv/bin/python bench/ddp.py [--rounds 5] [--steps 10]
 """
 import argparse
 import copy
@@ -94,7 +94,8 @@ def main():
     args = parser.parse_args()
     if "RANK" in os.environ:
         return worker(args)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               SMP_PYTHON=sys.executable)  # the ranks run on this interpreter's torch
     cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", "2", __file__,
            "--rounds", str(args.rounds), "--steps", str(args.steps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

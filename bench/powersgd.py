@@ -9,8 +9,14 @@ are timed in turn so drift of the machine hits all alike. Checked: smp's replica
 identical, bytes sent per step are counted by the hook. Prints one JSON line
 (ratio = smp PowerSGD / torch DDP allreduce).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/powersgd.py [--rounds 5] [--steps 10]
-        [--bucket-view] [--bucket-cap-mb 25]
+`--probe-many-buckets N`: also runs torch's powerSGD_hook alone with bucket_cap_mb=4
+(6+ buckets) N times, 30 steps each, and reports how many runs survived on Gloo and the
+first failure's text (torch 1.13 and 2.15 abort with gloo::EnforceNotMet or hang: its
+chained P/Q allreduces are issued from future callbacks, in a different order on each
+rank; FACTS.md). Only where it survives would a many-bucket timing mean anything.
+
+    PYTHONPATH=build/python .venv/bin/python bench/powersgd.py [--rounds 5] [--steps 10]
+        [--bucket-view] [--bucket-cap-mb 25] [--probe-many-buckets 3]
 """
 import argparse
 import copy
@@ -129,6 +135,63 @@ def worker(args):
             "torch": torch.__version__}))
 
 
+def probe_worker():
+    """torch DDP + torch's powerSGD_hook with many buckets, nothing of smp's."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as th_psgd
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    net = nn.Sequential(*layers)
+    ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=4)
+    ddp.register_comm_hook(th_psgd.PowerSGDState(process_group=None,
+                                                 matrix_approximation_rank=RANK_R,
+                                                 start_powerSGD_iter=2, random_seed=0),
+                           th_psgd.powerSGD_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(30):
+        ddp(torch.randn(64, 1024, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if dist.get_rank() == 0:
+        sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+        print("RESULT " + json.dumps({"buckets": len(str(sizes).split(","))}))
+
+
+def probe_many_buckets(runs, env):
+    """Runs probe_worker `runs` times (60 s each at most): how many survived, and how
+    the others failed (error text -> count)."""
+    passed, failures, buckets = 0, {}, None
+    for _ in range(runs):
+        cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", "2", __file__,
+               "--probe-worker"]
+        try:
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            why = "hung: not finished within 60 s (killed)"
+        else:
+            line = [ln for ln in out.stdout.splitlines() if "RESULT " in ln]
+            if out.returncode == 0 and line:
+                passed += 1
+                buckets = json.loads(line[0].split("RESULT ", 1)[1])["buckets"]
+                continue
+            what = [ln for ln in out.stderr.splitlines() if "what()" in ln or "Error" in ln]
+            why = (what[0].split("] ", 1)[-1] if what else out.stderr[-300:]).strip()[:300]
+        failures[why] = failures.get(why, 0) + 1
+    res = {"runs": runs, "passed": passed, "bucket_cap_mb": 4}
+    if buckets:
+        res["buckets"] = buckets
+    if failures:
+        res["failures"] = failures
+    return res
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -137,10 +200,14 @@ def main():
                         help="every model with gradient_as_bucket_view=True")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                         help="smp's bucket_cap_mb (torch PowerSGD keeps one bucket)")
+    parser.add_argument("--probe-many-buckets", type=int, default=0, metavar="RUNS",
+                        help="also try torch's powerSGD_hook with many buckets RUNS times")
+    parser.add_argument("--probe-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "RANK" in os.environ:
-        return worker(args)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        return probe_worker() if args.probe_worker else worker(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               SMP_PYTHON=sys.executable)
     cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", "2", __file__,
            "--rounds", str(args.rounds), "--steps", str(args.steps)]
     if args.bucket_view:
@@ -150,7 +217,10 @@ def main():
     line = [ln for ln in out.stdout.splitlines() if "RESULT " in ln]
     if out.returncode or not line:
         sys.exit(f"powersgd bench failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    print(line[0].split("RESULT ", 1)[1])
+    res = json.loads(line[0].split("RESULT ", 1)[1])
+    if args.probe_many_buckets:
+        res["torch_powersgd_many_buckets"] = probe_many_buckets(args.probe_many_buckets, env)
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ def main():
     parser.add_argument("--split", required=True, help="pp rank of each top-level child")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--schedules", default=",".join(SINGLE + LOOPED + V_SHAPE),
+                        help="comma-separated subset to run")
     args = parser.parse_args()
     import torch
     import torch.distributed as dist
@@ -89,7 +91,7 @@ def main():
         return nn.functional.cross_entropy(output, target)
 
     runners = {}
-    for name in SINGLE + LOOPED + V_SHAPE:
+    for name in args.schedules.split(","):
         try:
             torch.manual_seed(0)
             net = build_model()  # same seed: the same weights as smp's and single's

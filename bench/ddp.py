@@ -33,7 +33,8 @@ def worker(args):
         layers += [nn.Linear(1024, 1024), nn.ReLU()]
     base = nn.Sequential(*layers)
     ref = copy.deepcopy(base)
-    ddp = nn.parallel.DistributedDataParallel(ref, process_group=smp.get_dp_process_group())
+    ddp = nn.parallel.DistributedDataParallel(ref, process_group=smp.get_dp_process_group(),
+                                              bucket_cap_mb=args.torch_bucket_cap_mb)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
     model = smp.DistributedModel(base)
     opt = smp.DistributedOptimizer(torch.optim.SGD(base.parameters(), lr=1e-3))
@@ -75,6 +76,9 @@ def worker(args):
     for (name, p), q in zip(base.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     stats = model._reducer.stats()
+    log = ddp._get_ddp_logging_data()  # after the rebuild, the buckets in use
+    sizes = log.get("rebuilt_bucket_sizes") or log.get("bucket_sizes", "")
+    torch_buckets = str(sizes).count(",") + 1
     times = smp.allgather((statistics.median(smp_times), statistics.median(torch_times)))
     if smp.rank() == 0:
         smp_ms = max(t[0] for t in times)
@@ -82,7 +86,8 @@ def worker(args):
         print("RESULT " + json.dumps({
             "bench": "ddp", "world": smp.size(), "smp_ms": round(smp_ms, 2),
             "torch_ms": round(torch_ms, 2), "ratio": round(smp_ms / torch_ms, 3),
-            "buckets": stats["buckets"], "smp_comm_ms": round(stats["comm_ms"], 2),
+            "buckets": stats["buckets"], "torch_buckets": torch_buckets,
+            "torch_bucket_cap_mb": args.torch_bucket_cap_mb, "smp_comm_ms": round(stats["comm_ms"], 2),
             "smp_wait_ms": round(stats["wait_ms"], 2), "smp_copy_in_ms": round(stats["copy_in_ms"], 2),
             "torch": torch.__version__}))
 
@@ -91,13 +96,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--torch-bucket-cap-mb", type=float, default=25.0,
+                        help="torch DDP's bucket_cap_mb (its default 25 gives this model "
+                             "one bucket after the rebuild: no overlap)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         return worker(args)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                SMP_PYTHON=sys.executable)  # the ranks run on this interpreter's torch
     cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", "2", __file__,
-           "--rounds", str(args.rounds), "--steps", str(args.steps)]
+           "--rounds", str(args.rounds), "--steps", str(args.steps),
+           "--torch-bucket-cap-mb", str(args.torch_bucket_cap_mb)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     line = [ln for ln in out.stdout.splitlines() if "RESULT " in ln]
     if out.returncode or not line:

@@ -9,9 +9,10 @@
 - smp's built-ins on torch's DistributedDataParallel: allreduce/fp16 bit-identical to
   torch's; PowerSGD with 4 buckets on Gloo for 20 compressed steps without an abort,
   bit-identical to torch's hook made safe (each bucket's chain awaited before the
-  next); quantization hooks bit-identical to torch's arithmetic (torch's functions on CPU, .cuda() made a
-  no-op, and its misread allgather result fixed: see the script);
-  DDPCommHookType/register_ddp_comm_hook and post_localSGD against torch's.
+  next); bf16 and quantization hooks (1 and 4 buckets) bit-identical to torch 2.x's own
+  (under 1.13, which cannot run them on Gloo, quantization against torch's arithmetic:
+  its functions on CPU, .cuda() made a no-op, its misread allgather result fixed; see
+  torch_peer.py); DDPCommHookType/register_ddp_comm_hook and post_localSGD against torch's.
 """
 import json
 
@@ -173,6 +174,7 @@ import smp.ddp_comm_hooks as shc
 from smp.ddp_comm_hooks import (
     default_hooks as sh, powerSGD_hook as sps, quantization_hooks as sq,
     post_localSGD_hook as sls)
+from torch_peer import BF16_ON_GLOO, QUANTIZATION_HOOKS_RUN_ON_GLOO, quantization_helper
 
 smp.init({"ddp": True, "timeout_s": 60})
 rank = dist.get_rank()
@@ -249,12 +251,22 @@ same("batched_powerSGD 4 buckets",
      train(hooked(sps.PowerSGDState(None, **kw), awaited(sps.batched_powerSGD_hook)), cap=SMALL,
            steps=6))
 
-# Quantization. torch 1.13's hooks cannot run here: they call .cuda(), and they index
-# the allgather's result as one stacked tensor where Gloo gives a list of tensors
-# ("invalid index of a 0-dim tensor"). The reference composes torch's own observers and
+# bf16 (Gloo reduces bfloat16 since torch 2.x): bit-identical to torch's.
+if BF16_ON_GLOO:
+    same("bf16", train(hooked(None, th.bf16_compress_hook)),
+         train(hooked(None, sh.bf16_compress_hook)))
+    same("bf16_wrapper", train(hooked(None, th.bf16_compress_wrapper(th.allreduce_hook))),
+         train(hooked(None, sh.bf16_compress_wrapper(sh.allreduce_hook))))
+
+# Quantization. torch 2.x's hooks run here: smp's against them, one bucket as they are
+# and 4 buckets awaited (their second allgather comes from a future callback, see
+# torch_peer.py). torch 1.13's cannot: they call .cuda(), and they index the allgather's
+# result as one stacked tensor where Gloo gives a list of tensors ("invalid index of a
+# 0-dim tensor"); there the reference composes torch's own observers and
 # quantize/dequantize functions as their docstrings describe, synchronously.
-torch.Tensor.cuda = lambda self, *a, **k: self  # torch's helpers call .cuda(device)
-nn.Module.cuda = lambda self, *a, **k: self
+if not QUANTIZATION_HOOKS_RUN_ON_GLOO:
+    torch.Tensor.cuda = lambda self, *a, **k: self  # torch's helpers call .cuda(device)
+    nn.Module.cuda = lambda self, *a, **k: self
 
 def ref_quantization(per_channel, bucket_size=512):
     def hook(pg, bucket):
@@ -272,10 +284,8 @@ def ref_quantization(per_channel, bucket_size=512):
         all_sz = [torch.zeros_like(sz) for _ in range(world)]
         dist.all_gather(all_sz, sz, group=group)
         kind = "per_channel" if per_channel else "per_tensor"
-        # torch's own helpers: *_cuda in torch 1.13, *_backend in torch 2.x.
-        helper = lambda op: getattr(tq, f"_{op}_{kind}_backend", None) or getattr(
-            tq, f"_{op}_{kind}_cuda")
-        quant, deq = helper("quantize"), helper("dequantize")
+        quant = quantization_helper(tq, "quantize", kind)
+        deq = quantization_helper(tq, "dequantize", kind)
         q = quant(t, all_sz[me][0], all_sz[me][1])
         all_q = [torch.zeros_like(q) for _ in range(world)]
         dist.all_gather(all_q, q, group=group)
@@ -289,28 +299,43 @@ def ref_quantization(per_channel, bucket_size=512):
         return fut
     return hook
 
-same("quantization_pertensor", train(hooked(None, ref_quantization(False))),
-     train(hooked(None, sq.quantization_pertensor_hook)))
-same("quantization_perchannel", train(hooked(None, ref_quantization(True))),
-     train(hooked(None, sq.quantization_perchannel_hook)))
 def perchannel_7(process_group, bucket):  # torch's DDP wants a __name__: no partial
     return sq.quantization_perchannel_hook(process_group, bucket, bucket_size=7)
 
+if QUANTIZATION_HOOKS_RUN_ON_GLOO:
+    def torch_perchannel_7(process_group, bucket):
+        return tq.quantization_perchannel_hook(process_group, bucket, bucket_size=7)
+    peer = {"pertensor": tq.quantization_pertensor_hook,
+            "perchannel": tq.quantization_perchannel_hook, "perchannel_7": torch_perchannel_7}
+else:
+    peer = {"pertensor": ref_quantization(False), "perchannel": ref_quantization(True),
+            "perchannel_7": ref_quantization(True, 7)}
+same("quantization_pertensor", train(hooked(None, peer["pertensor"])),
+     train(hooked(None, sq.quantization_pertensor_hook)))
+same("quantization_perchannel", train(hooked(None, peer["perchannel"])),
+     train(hooked(None, sq.quantization_perchannel_hook)))
+same("quantization_pertensor 4 buckets",
+     train(hooked(None, awaited(peer["pertensor"])), cap=SMALL),
+     train(hooked(None, sq.quantization_pertensor_hook), cap=SMALL))
 same("quantization_perchannel 4 buckets, bucket_size 7",
-     train(hooked(None, ref_quantization(True, 7)), cap=SMALL),
+     train(hooked(None, awaited(peer["perchannel_7"])), cap=SMALL),
      train(hooked(None, perchannel_7), cap=SMALL))
 
-# DDPCommHookType / register_ddp_comm_hook (torch's bf16 needs bfloat16 on Gloo, its
-# batched PowerSGD fails in torch 1.13 and its quantization hooks fail here: those are
-# left out of the comparison with torch's, the quantization ones use the reference).
+# DDPCommHookType / register_ddp_comm_hook against torch's (its batched PowerSGD fails
+# on CPU in 1.13 and 2.15, and is left out; bf16 and quantization where torch_peer.py
+# says torch's run here, else quantization against the reference).
 assert [t.name for t in shc.DDPCommHookType] == [t.name for t in thc.DDPCommHookType]
-for name in ("ALLREDUCE", "FP16_COMPRESS", "POWER_SGD", "POWER_SGD_RANK2", "NOOP"):
+names = ["ALLREDUCE", "FP16_COMPRESS", "POWER_SGD", "POWER_SGD_RANK2", "NOOP"]
+names += ["BF16_COMPRESS"] if BF16_ON_GLOO else []
+names += ["QUANTIZE_PER_TENSOR", "QUANTIZE_PER_CHANNEL"] if QUANTIZATION_HOOKS_RUN_ON_GLOO else []
+for name in names:
     same(f"DDPCommHookType.{name}",
          train(lambda m: thc.register_ddp_comm_hook(thc.DDPCommHookType[name], m, None)),
          train(lambda m: shc.register_ddp_comm_hook(shc.DDPCommHookType[name], m, None)))
-for name, per_channel in (("QUANTIZE_PER_TENSOR", False), ("QUANTIZE_PER_CHANNEL", True)):
-    same(f"DDPCommHookType.{name}", train(hooked(None, ref_quantization(per_channel))),
-         train(lambda m: shc.register_ddp_comm_hook(shc.DDPCommHookType[name], m)))
+if not QUANTIZATION_HOOKS_RUN_ON_GLOO:
+    for name, per_channel in (("QUANTIZE_PER_TENSOR", False), ("QUANTIZE_PER_CHANNEL", True)):
+        same(f"DDPCommHookType.{name}", train(hooked(None, ref_quantization(per_channel))),
+             train(lambda m: shc.register_ddp_comm_hook(shc.DDPCommHookType[name], m)))
 try:
     shc.register_ddp_comm_hook("ALLREDUCE", None)
 except ValueError as e:

@@ -12,7 +12,10 @@
 - `python -m smp.checkpoint merge` of a real pp=2 partial save loads into the plain
   module and equals the gathered state dict (optimizer too, through
   optimizer_to_torch); missing, repeated, mixed and damaged parts are named;
-- smp.save into a missing directory says what to do, the same on every rank.
+- smp.save into a missing directory says what to do, the same on every rank;
+- smp.load's weights_only follows torch.load: tensors, model and optimizer states load
+  weights-only; smp's hook objects load by default (pickle_module=pickle) and are refused
+  with weights_only=True, naming the file, on every pp rank.
 """
 import json
 import os
@@ -535,6 +538,91 @@ def test_merge_errors_name_the_files(tmp_path):
     fails(d + "/nope_0", ck + "_1", words=[f"'{d}/nope_0'", "No such file"])
     smp.save({"v": 1}, d + "/full_file.pt", partial=False)
     fails(d + "/full_file.pt", ck + "_1", words=["is a full checkpoint", "torch.load"])
+
+
+# --- weights_only, as torch.load (Note [smp.load and weights_only]) ----------------------
+
+WEIGHTS_ONLY = r"""
+import json, sys, torch, smp
+from smp.ddp_comm_hooks import powerSGD_hook as psgd
+opts = json.loads(sys.argv[1])
+smp.init({"partitions": 2, "timeout_s": 30})
+# pp rank 1's part holds smp's hook function: weights-only unpickling refuses that part,
+# and both ranks (rank 0 reads only its own part) raise the same error.
+extra = {"comm_hook": psgd.powerSGD_hook} if smp.pp_rank() == 1 else {}
+smp.save({"w": torch.full((5,), float(smp.pp_rank())), **extra}, opts["ck"], partial=True)
+for kw in ({}, {"weights_only": False}, {"weights_only": True}):
+    try:
+        got = smp.load(opts["ck"], partial=True, **kw)
+        print("LOADED", kw, sorted(got), flush=True)
+    except smp.CheckpointError as e:
+        print("REFUSED", kw, e, flush=True)
+"""
+
+
+def test_weights_only_as_torch_load(tmp_path):
+    from smp.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch_peer import LOAD_DEFAULTS_TO_WEIGHTS_ONLY
+    d = str(tmp_path)
+    # A real 2-rank partial save of tensors: weights-only unpickling loads it, equal.
+    _run(SAVE2, 2, tmp_path, dict(dir=d, tags=["a"]))
+    full = smp.load(d + "/a", partial=True)
+    for kw in ({"weights_only": True}, {"pickle_module": None}):
+        got = smp.load(d + "/a", partial=True, **kw)
+        assert got.keys() == full.keys() and torch.equal(got["w"], full["w"]), kw
+    # Model and optimizer state dicts (full file): weights only too.
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ck = str(tmp_path / "full.pt")
+    smp.save({"model": net.state_dict(), "opt": opt.state_dict()}, ck, partial=False)
+    got = smp.load(ck, partial=False, weights_only=True)
+    assert torch.equal(got["model"]["weight"], net.weight.detach())
+    assert torch.equal(got["opt"]["state"][0]["exp_avg"], opt.state[net.weight]["exp_avg"])
+    # smp's hook and its state: SMP v1's default (pickle_module=pickle) loads them, as
+    # torch.load with a pickle module; weights_only=True refuses them as torch 2.x refuses
+    # torch's own PowerSGDState, naming the file, in an smp file and a plain torch.save one.
+    hooked = {"comm_hook": psgd.powerSGD_hook, "comm_hook_state": psgd.PowerSGDState(None)}
+    smp.save(hooked, str(tmp_path / "hook.pt"), partial=False)
+    torch.save(hooked, str(tmp_path / "plain.pt"))
+    for name in ("hook.pt", "plain.pt"):
+        path = str(tmp_path / name)
+        got = smp.load(path, partial=False)
+        assert got["comm_hook"] is psgd.powerSGD_hook, name
+        assert isinstance(got["comm_hook_state"], psgd.PowerSGDState), name
+        with pytest.raises(smp.CheckpointError) as e:
+            smp.load(path, partial=False, weights_only=True)
+        msg = str(e.value)
+        assert msg.startswith(f"smp.load: '{path}' holds objects that weights_only=True "
+                              "refuses") and "smp.ddp_comm_hooks.powerSGD_hook" in msg, msg
+        assert "It holds smp objects (a comm hook or its state" in msg, msg
+        assert "Pass weights_only=False only for a file you trust" in msg, msg
+        # pickle_module=None: torch.load's default for the torch under test.
+        if LOAD_DEFAULTS_TO_WEIGHTS_ONLY:
+            with pytest.raises(smp.CheckpointError, match="weights_only=True refuses"):
+                smp.load(path, partial=False, pickle_module=None)
+        else:
+            assert smp.load(path, partial=False, pickle_module=None)["comm_hook"] is \
+                psgd.powerSGD_hook
+    # Bad arguments name the setting.
+    with pytest.raises(ValueError, match=r"'weights_only'=1 is not one of \{None, True, False\}"):
+        smp.load(ck, partial=False, weights_only=1)
+    with pytest.raises(ValueError, match="weights_only=True .* pickle_module=.* is not the "
+                                         "default pickle or None"):
+        smp.load(ck, partial=False, weights_only=True, pickle_module=json)
+    with pytest.raises(ValueError, match="'mmap'=True is not supported"):
+        smp.load(ck, partial=False, mmap=True)
+    # Two pp ranks, refused in one rank's part: both raise the same error.
+    res = _run(WEIGHTS_ONLY, 2, tmp_path, dict(ck=str(tmp_path / "pp")))
+    for r in res:
+        lines = r.stdout.splitlines()
+        assert lines[0] == "LOADED {} ['w']" and lines[1] == "LOADED {'weights_only': False} ['w']" \
+            if r.rank == 0 else lines[0].startswith("LOADED {} ['comm_hook', 'w']"), r
+        assert lines[2].startswith(f"REFUSED {{'weights_only': True}} smp.load: "
+                                   f"'{tmp_path}/pp_1' holds objects"), r
+        assert lines[2].endswith("(pp rank 1)"), r
+    assert res[0].stdout.splitlines()[2] == res[1].stdout.splitlines()[2]
 
 
 # --- smp.save into a directory that does not exist -----------------------------------------

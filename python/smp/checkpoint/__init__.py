@@ -21,6 +21,7 @@ import time
 import torch
 
 from smp import _C, core
+from smp.checkpoint import _torch_load
 
 __all__ = []
 
@@ -247,24 +248,43 @@ class _Records:
             if self.has_record(".data/serialization_id") else ""
 
 
-def _unpickle(records, map_location, pickle_module, pickle_load_args):
-    return torch.serialization._load(_Records(records), map_location, pickle_module,
-                                     **pickle_load_args)
+def _refused(path, reason):
+    """The error for a file torch's weights-only unpickler refused (Note [smp.load and
+    weights_only] in _torch_load.py)."""
+    ours = (" It holds smp objects (a comm hook or its state, such as PowerSGDState), which "
+            "weights_only=True refuses as torch.load refuses torch's own PowerSGDState."
+            if "smp." in reason else "")
+    return CheckpointError(
+        f"smp.load: '{path}' holds objects that weights_only=True refuses: it loads tensors, "
+        "plain containers and numbers only (and what torch.serialization.add_safe_globals "
+        f"allows).{ours} Pass weights_only=False only for a file you trust. "
+        f"torch's reason: {reason}")
 
 
-def _load_full(path, map_location, pickle_module, pickle_load_args):
+def _unpickle(records, map_location, pickle_module, pickle_load_args, weights_only=False,
+              path=None):
+    try:
+        return _torch_load.unpickle(_Records(records), map_location, pickle_module,
+                                    weights_only, pickle_load_args)
+    except _torch_load.WeightsOnlyRefused as e:
+        raise _refused(path, str(e)) from None
+
+
+def _load_full(path, map_location, pickle_module, weights_only, pickle_load_args):
     if not os.path.exists(path):
         raise CheckpointError(f"smp: checkpoint '{path}' does not exist")
     if not _C.checkpoint_has_manifest(path):
         # A plain torch.save file (SMP v1: full checkpoints of non-smp models load too).
         try:
-            return torch.load(path, map_location=map_location, pickle_module=pickle_module,
-                              **pickle_load_args)
+            return _torch_load.load_plain(path, map_location, pickle_module, weights_only,
+                                          pickle_load_args)
+        except _torch_load.WeightsOnlyRefused as e:
+            raise _refused(path, str(e)) from None
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"smp: checkpoint '{path}' has no smp trailer (truncated, or "
                                   f"not written by smp.save) and torch.load fails: {e}") from e
     _, records = _C.checkpoint_read_verified(path)
-    return _unpickle(records, map_location, pickle_module, pickle_load_args)
+    return _unpickle(records, map_location, pickle_module, pickle_load_args, weights_only, path)
 
 
 def _my_parts(parts, pp_rank, pp_size):
@@ -314,13 +334,19 @@ def _merge_param_groups(lists):
 
 
 @core.api_call("smp.load()")
-def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=False,
-         **pickle_load_args):
+def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=False, *,
+         weights_only=None, **pickle_load_args):
     """Loads what smp.save wrote, after verifying every byte of what it reads.
 
     Args:
         f: the name given to smp.save.
         map_location, pickle_module, **pickle_load_args: as torch.load.
+        weights_only: as torch.load's: True unpickles with torch's weights-only unpickler
+            (tensors, plain containers, numbers, and what
+            torch.serialization.add_safe_globals allows; not smp's comm hook states).
+            None: torch.load's choice for this pickle_module, so with the default
+            pickle_module=pickle everything loads (SMP v1; checkpoints hold optimizer
+            state and user content). See Note [smp.load and weights_only].
         partial: True: a partial save (`f_0`, `f_1`, ...): call on every rank; each rank
             reads the parts that hold its layers (with a different pp_size than the
             saving job, several or a shared one) and the pp group agrees on the verdict.
@@ -329,13 +355,22 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
 
     Raises:
         CheckpointError: a missing, truncated or altered file, or parts of different
-            saves; with partial=True raised on every rank of the pp group, naming the file.
+            saves, or (weights-only unpickling) a file holding other objects; with
+            partial=True raised on every rank of the pp group, naming the file.
+        ValueError: a bad argument (weights_only not None/True/False, weights-only
+            unpickling with a pickle_module other than pickle or None, mmap).
     """
     path = _check_path("load", f)
     _check_bool("load", "partial", partial)
+    mmap = pickle_load_args.pop("mmap", None)
+    if mmap:
+        raise ValueError(f"smp.load: argument 'mmap'={mmap!r} is not "
+                         "supported (smp verifies every byte it reads into memory; use "
+                         "torch.load(..., mmap=True) on a full file)")
+    weights_only = _torch_load.resolve_weights_only("load", weights_only, pickle_module)
     if not partial:
         return _rebind_comm_hook_state(_load_full(path, map_location, pickle_module,
-                                                  pickle_load_args))
+                                                  weights_only, pickle_load_args))
     pp_rank, pp_size, _, _, _ = _topology()
     err, paths, got = None, None, []
     try:
@@ -345,7 +380,14 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
     except CheckpointError as e:
         err = str(e)
     _agree(err, "verifying the partial checkpoint")
-    objs = [_unpickle(r, map_location, pickle_module, pickle_load_args) for r in got]
+    objs = []
+    try:
+        for p, r in zip(_my_parts(len(paths), pp_rank, pp_size), got):
+            objs.append(_unpickle(r, map_location, pickle_module, pickle_load_args,
+                                  weights_only, paths[p]))
+    except CheckpointError as e:  # a weights-only refusal: parts differ, so agree on it
+        err = str(e)
+    _agree(err, "unpickling the partial checkpoint")
     return _rebind_comm_hook_state(_merge(objs))
 
 

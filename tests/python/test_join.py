@@ -11,7 +11,6 @@ smp's PowerSGD with two buckets lands exactly where torch's hook does under torc
 import json
 import re
 
-import pytest
 
 SCRIPT = r"""
 import copy, json, sys

@@ -252,8 +252,9 @@ def rendezvous(world_env, timeout_s, wait_for_listener):
 def _connect(e, timeout_s, wait_for_listener):
     timeout = timedelta(seconds=timeout_s)
     if e.source == "torchelastic":
-        # Agent store: every worker is a client, under /worker/attempt_{restart}; c10d
-        # rendezvous: rank 0 hosts at the agent's MASTER_ADDR:MASTER_PORT.
+        # TORCHELASTIC_USE_AGENT_STORE=True: every worker is a client of the agent's
+        # store (torch 1.13 prefixes it per attempt, 2.x does not: Note [Keys per torchrun
+        # attempt]); otherwise rank 0 hosts at MASTER_ADDR:MASTER_PORT.
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         return store
     if e.rank != 0:

@@ -6,9 +6,9 @@ import subprocess
 import textwrap
 
 import pytest
-import torch
 
 from conftest import BUILD, PYTHON, REPO, free_port
+from torch_peer import TORCHRUN_C10D_RDZV_USES_AGENT_STORE
 
 # Variables a launcher sets: none leaks into a case from the test's own environment.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -108,12 +108,12 @@ def test_torchrun_agent_store(tmp_path):
 
 
 def test_torchrun_c10d_rendezvous(tmp_path):
-    # Whether the workers share the agent's store is torchrun's choice (not with c10d
-    # rendezvous in torch 1.13, with it since 2.x): both ranks must see the same.
+    # Whether the workers share the agent's store is torchrun's choice (torch_peer.py):
+    # both ranks must see the same.
     out = torchrun(tmp_path, "--rdzv_backend", "c10d", "--rdzv_endpoint",
                    f"127.0.0.1:{free_port()}")
     assert out.returncode == 0, out.stdout + out.stderr
-    flag = "False" if torch.__version__.startswith("1.") else "True"
+    flag = str(TORCHRUN_C10D_RDZV_USES_AGENT_STORE)
     assert oks(out.stdout) == [f"ok rank 0 attempt 0 {flag}", f"ok rank 1 attempt 0 {flag}"], \
         out.stdout
 

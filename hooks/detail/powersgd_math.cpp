@@ -11,8 +11,10 @@ void gram_schmidt(const at::Tensor& m, double epsilon) {
   const int64_t cols = m.size(2);
   for (int64_t i = 0; i < cols; ++i) {
     at::Tensor col = m.narrow(2, i, 1);
-    // torch.norm(col, dim=1, keepdim=True) is the Frobenius norm over dim 1.
-    at::Tensor norm = at::frobenius_norm(col, {1}, /*keepdim=*/true);
+    // torch's hook: torch.linalg.vector_norm(col, dim=1, keepdim=True) (at::frobenius_norm
+    // is deprecated in torch 2.x and warns on every call).
+    const int64_t dim = 1;
+    at::Tensor norm = at::linalg_vector_norm(col, 2, at::IntArrayRef(dim), /*keepdim=*/true);
     if (epsilon == 0)
       col.div_(norm);
     else

@@ -13,6 +13,7 @@ and weights_only]):
 import inspect
 import os
 import pickle
+import re
 
 import torch
 import torch.serialization as _ser
@@ -101,4 +102,4 @@ def load_plain(path, map_location, pickle_module, weights_only, load_args):
     try:
         return torch.load(path, map_location=map_location, weights_only=True, **load_args)
     except pickle.UnpicklingError as e:
-        raise WeightsOnlyRefused(str(e)) from None
+        raise WeightsOnlyRefused(re.sub(r"\x1b\[[0-9;]*m", "", str(e))) from None  # torch's bold

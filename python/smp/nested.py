@@ -54,10 +54,20 @@ def _is_tensor(x):
 
 
 def flatten(value, tensors):
-    """Replaces tensors in `value` by slots appended to `tensors`; returns the skeleton."""
+    """Replaces tensors in `value` by slots appended to `tensors`; returns the skeleton.
+
+    A tensor that appears several times (the same object: `attn(h, h, h)`) is appended
+    once and every appearance gets its slot, so unflatten gives back one object where
+    there was one: a module may test `query is key`, or change an argument in place.
+    """
+    slots = {}
+
     def slot(t):
-        tensors.append(t)
-        return TensorSlot(len(tensors) - 1)
+        s = slots.get(id(t))
+        if s is None:
+            tensors.append(t)
+            s = slots[id(t)] = TensorSlot(len(tensors) - 1)
+        return s
     return map_leaves(value, slot, _is_tensor)
 
 

@@ -78,3 +78,19 @@ def test_objects_a_module_could_change_are_never_shared_between_calls():
     # Immutable scalars only: cached and shared.
     plain = pickle.dumps(("m", ((TensorSlot(0), 3, "s", None), {}), [False], True, b""))
     assert decode(plain) is decode(plain)
+
+
+def test_a_tensor_passed_twice_travels_once_and_arrives_as_one_object():
+    # attn(h, h, h): torch's MultiheadAttention takes another path when query is not
+    # key, and an in-place change of one argument must show in the other.
+    h, other = torch.ones(2, 3), torch.zeros(1)
+    tensors = []
+    meta = encode_request("attn", (h, h, other, h), {}, tensors, False, b"")
+    assert len(tensors) == 2 and tensors[0] is h and tensors[1] is other
+    name, skeleton, requires_grad, grad, flags, positional = request_plan(meta)
+    assert not positional
+    args, kwargs = unflatten(skeleton, [t.clone() for t in tensors])
+    assert args[0] is args[1] is args[3] and args[2] is not args[0]
+    outs = []
+    encode_outputs((h, [h, other]), outs)
+    assert len(outs) == 2

@@ -1,5 +1,6 @@
 #include "smp_core/dispatch.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -7,7 +8,11 @@
 #include <mutex>
 #include <set>
 
+#include "smp_core/compat/torch_compat.h"
+#include "smp_core/detail/autograd_graph.h"
 #include "smp_core/errors.h"
+#include "smp_core/task.h"
+#include "smp_core/task_rng.h"
 
 namespace smp {
 namespace {
@@ -20,6 +25,22 @@ bool is_request(const Message& m) { return m.kind == kRequest || m.kind == kBack
 Phase phase_of(const Message& m) {
   return m.kind == kBackwardRequest ? Phase::kBackward : Phase::kForward;
 }
+
+// Puts the default generators back as they were when it was made (`on`), whatever
+// the step's tasks left in them.
+class RestoreRng {
+ public:
+  RestoreRng(bool on, bool cuda) : state_(on ? task_rng::capture(cuda) : "") {}
+  ~RestoreRng() {
+    try {
+      task_rng::install(state_);
+    } catch (...) {
+    }
+  }
+
+ private:
+  std::string state_;
+};
 
 }  // namespace
 
@@ -45,6 +66,15 @@ struct Dispatcher::Impl {
   int64_t microbatches = 1;
   std::atomic<int64_t> next_mb{0};  // driver: the next microbatch to start
   std::set<int64_t> forwards_done;  // "simple"
+  bool rng_streams = false, rng_cuda = false;  // Note [Microbatch random streams]
+  uint64_t step_seed = 0;
+  // Note [Gradient order].
+  std::atomic<bool> ordering{false};  // this step orders gradients
+  std::atomic<int64_t> floor{0};      // every microbatch below it is over on this rank
+  bool serving = false;               // serve_step() runs this step (not the driver)
+  std::vector<int64_t> units, last_units;  // backward requests run, per microbatch
+  std::vector<compat::GradAccumulatorPtr> accumulators;
+  std::vector<torch::autograd::FunctionPreHook*> gate_hooks;
   Stats stats;
 
   Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp, ErrorEncoder e)
@@ -102,9 +132,12 @@ struct Dispatcher::Impl {
     cv.wait(lock, [&] { return active == 0; });
   }
 
-  // Runs `msg` with the token held (the caller holds it) and sends the answer.
-  void run_held(const Message& msg) {
+  // Runs `msg` with the token held (the caller holds it) and sends the answer. A
+  // request that carries a random stream runs from it (`installed`: the token's
+  // hand-over already did) and its answer carries the stream on.
+  void run_held(const Message& msg, bool installed = false) {
     auto t0 = std::chrono::steady_clock::now();
+    if (!installed) task_rng::install(msg.rng);
     Message answer;
     try {
       answer = handler(msg);
@@ -114,9 +147,11 @@ struct Dispatcher::Impl {
     }
     answer.mb = msg.mb;
     answer.call_id = msg.call_id;
+    if (!msg.rng.empty() && answer.kind != kError) answer.rng = task_rng::capture_like(msg.rng);
     auto t1 = std::chrono::steady_clock::now();
     p2p->send(msg.src, answer);
     auto t2 = std::chrono::steady_clock::now();
+    if (msg.kind == kBackwardRequest) backward_unit_over(msg.mb);
     std::lock_guard<std::mutex> lock(mu);
     stats.requests++;
     stats.handler_s += std::chrono::duration<double>(t1 - t0).count();
@@ -144,13 +179,19 @@ struct Dispatcher::Impl {
   }
 
   // The leader: takes the token at `msg`'s priority, runs it, gives the token back.
+  // The request is the thread's task while it runs (it may wait, nested): its
+  // microbatch and its random stream.
   void run(const Message& msg) {
+    TaskContext task;
+    task.mb = msg.mb;
+    task.rng = msg.rng;
+    TaskScope scope(&task);
     p2p->acquire_token(schedule.priority(msg.mb, phase_of(msg)));
     struct Release {
       P2PEngine& p;
       ~Release() { p.release_token(); }
     } release{*p2p};
-    run_held(msg);
+    run_held(msg, /*installed=*/true);
   }
 
   // Body of a serving thread (Note [Serving]).
@@ -204,6 +245,78 @@ struct Dispatcher::Impl {
     if (need_thread) start([this] { serve_loop(); });  // every serving thread waits on a nested call
   }
 
+  // Note [Gradient order]: a microbatch's backward work on this rank is over. The
+  // word goes out as a kMicrobatchDone, sticky in the mailbox until the step ends:
+  // the driver sends it to every pp rank when a microbatch's step body returns; a
+  // serving rank sends it to itself once it has run as many backward requests of the
+  // microbatch as in the step before (until it knows that, the driver's word does).
+  void announce_done(int64_t mb, bool everyone) noexcept {
+    Message m;
+    m.mb = mb;
+    m.kind = kMicrobatchDone;
+    for (int r = 0; r < p2p->size(); ++r) {
+      if (!everyone && r != p2p->rank()) continue;
+      try {
+        p2p->send(r, m);
+      } catch (...) {  // a peer gone: the step fails on its own
+      }
+    }
+  }
+
+  void backward_unit_over(int64_t mb) {
+    if (!ordering) return;
+    bool over = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (mb < 0 || mb >= static_cast<int64_t>(units.size())) return;
+      ++units[mb];
+      over = serving && last_units.size() == units.size() && units[mb] == last_units[mb];
+    }
+    if (over) announce_done(mb, false);
+  }
+
+  // Called by a parameter's AccumulateGrad (pre hook) with the token held by the task
+  // whose gradient it is: waits, token given up, until every earlier microbatch's
+  // backward work on this rank is over.
+  void gate() {
+    if (!ordering) return;
+    const int64_t mb = p2p->token_microbatch();
+    int64_t below = floor.load();
+    if (mb <= below) return;  // also: no task holds the token (-1)
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stats.ordered_waits++;
+    }
+    resign();  // a serving leader: the earlier microbatch's requests must still be served
+    const auto priority = schedule.priority(mb, Phase::kBackward);
+    while (below < mb) {
+      Message m = p2p->recv(below, kAny, bit(kMicrobatchDone) | bit(kAbort) | bit(kStepEnd),
+                            str_cat("the end of microbatch ", below, "'s backward work, before "
+                                    "microbatch ", mb, "'s gradients accumulate (Note [Gradient "
+                                    "order])"),
+                            /*yield_token=*/true, priority, RecvOrder::kArrival,
+                            /*for_holder=*/true);
+      if (m.kind != kMicrobatchDone)
+        throw CommError(str_cat("smp: the step ended while microbatch ", mb,
+                                "'s gradients waited for microbatch ", below, "'s"));
+      int64_t seen = below;
+      while (seen < below + 1 && !floor.compare_exchange_weak(seen, below + 1)) {
+      }
+      below = floor.load();
+    }
+  }
+
+  // After a step that ran backward work: whether it matched the step before (Note
+  // [Gradient order]); the next step expects this one's.
+  void record_units() {
+    std::lock_guard<std::mutex> lock(mu);
+    int64_t total = 0;
+    for (int64_t u : units) total += u;
+    if (total == 0) return;  // an evaluation step says nothing about training steps
+    if (!last_units.empty() && last_units != units) stats.unplanned_steps++;
+    last_units = units;
+  }
+
   void rethrow_error() {
     std::exception_ptr e;
     {
@@ -222,12 +335,31 @@ Dispatcher::Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handle
     : impl_(std::make_unique<Impl>(std::move(p2p), std::move(schedule), std::move(handler),
                                    std::move(spawn), std::move(encode_error))) {}
 
-Dispatcher::~Dispatcher() = default;
+Dispatcher::~Dispatcher() {
+  // The accumulators outlive this Dispatcher (the parameters hold them): take the
+  // gates off, they point here.
+  auto& I = *impl_;
+  for (size_t i = 0; i < I.accumulators.size(); ++i) {
+    auto& hooks = I.accumulators[i]->pre_hooks();
+    hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                               [&](const auto& h) { return h.get() == I.gate_hooks[i]; }),
+                hooks.end());
+  }
+}
 
 const Schedule& Dispatcher::schedule() const { return impl_->schedule; }
 
-void Dispatcher::begin_step(int64_t microbatches) {
+void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_cuda) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->rng_streams = deterministic;
+  impl_->rng_cuda = rng_cuda;
+  // Every rank draws (only the driver's seed is used), so the ranks' own generators
+  // stay in step with each other, as scripts that seed every rank alike expect.
+  if (deterministic) impl_->step_seed = task_rng::draw_step_seed();
+  impl_->ordering = deterministic && !impl_->accumulators.empty();
+  impl_->floor = 0;
+  impl_->serving = false;
+  impl_->units.assign(static_cast<size_t>(std::max<int64_t>(microbatches, 0)), 0);
   impl_->microbatches = microbatches;
   impl_->next_mb = 0;
   impl_->forwards_done.clear();
@@ -241,21 +373,36 @@ void Dispatcher::begin_step(int64_t microbatches) {
 void Dispatcher::drive(MicrobatchFn run) {
   auto& I = *impl_;
   const int64_t n = I.microbatches;
-  auto worker = [&I, n, run] {
+  // Note [Microbatch random streams]: one seed per step from the default generator
+  // (begin_step); outside the step the generators are as they were after drawing it.
+  const bool streams = I.rng_streams;
+  const uint64_t seed = I.step_seed;
+  const RestoreRng outer(streams, I.rng_cuda);
+  auto worker = [&I, n, run, streams, seed] {
     while (true) {
       // Claim the next microbatch while holding the token, so microbatches start in
-      // order (the priority asked for is that of the one next when it was asked).
-      I.p2p->acquire_token(I.schedule.priority(I.next_mb.load(), Phase::kForward));
+      // order (the priority asked for is that of the one next when it was asked). The
+      // stream is the one of the microbatch expected; if another thread claimed that
+      // one meanwhile, the one claimed gets its own before any work runs.
+      const int64_t expected = I.next_mb.load();
+      TaskContext task;
+      task.mb = expected;
+      if (streams) task.rng = task_rng::derive(seed, expected, I.rng_cuda);
+      TaskScope scope(&task);
+      I.p2p->acquire_token(I.schedule.priority(expected, Phase::kForward));
       const int64_t mb = I.next_mb.fetch_add(1);
       if (mb >= n) {
         I.p2p->release_token();
         return;
       }
+      task.mb = mb;
+      if (streams && mb != expected) task_rng::install(task_rng::derive(seed, mb, I.rng_cuda));
       struct Done {
         Dispatcher::Impl& I;
         int64_t mb;
         ~Done() {
           I.p2p->release_token();
+          if (I.ordering) I.announce_done(mb, true);  // Note [Gradient order]
           std::lock_guard<std::mutex> lock(I.mu);  // a failed or eval microbatch must not block
           I.forwards_done.insert(mb);
           I.cv.notify_all();
@@ -281,6 +428,18 @@ void Dispatcher::drive(MicrobatchFn run) {
 
 Message Dispatcher::serve_step() {
   auto& I = *impl_;
+  const RestoreRng outer(I.rng_streams, I.rng_cuda);  // requests run from their own streams
+  if (I.ordering) {  // Note [Gradient order]: microbatches with no backward work here
+    std::vector<int64_t> idle;
+    {
+      std::lock_guard<std::mutex> lock(I.mu);
+      I.serving = true;
+      if (I.last_units.size() == I.units.size())
+        for (size_t mb = 0; mb < I.units.size(); ++mb)
+          if (I.last_units[mb] == 0) idle.push_back(static_cast<int64_t>(mb));
+    }
+    for (int64_t mb : idle) I.announce_done(mb, false);
+  }
   // The serving threads receive the step's end themselves (it is sticky: every
   // waiter sees it), so a thread that fails ends the step at once, not at a timeout.
   try {
@@ -292,10 +451,22 @@ Message Dispatcher::serve_step() {
     throw;
   }
   I.join();
+  if (I.ordering && I.end.kind == kStepEnd && !I.error) I.record_units();
   std::lock_guard<std::mutex> lock(I.mu);
   if (I.error) std::rethrow_exception(I.error);  // this rank's own failure: the cause
   SMP_CHECK(I.end.kind != 0, "serving stopped without the step's end");
   return std::move(I.end);
+}
+
+Message Dispatcher::call(int dst, Message request, int32_t kind, bool backward,
+                         const std::string& what, bool for_holder) {
+  auto& I = *impl_;
+  if (I.rng_streams) request.rng = task_rng::capture(I.rng_cuda);
+  const int64_t mb = request.mb, call_id = request.call_id;
+  I.p2p->send(dst, request);
+  Message answer = wait(mb, call_id, kind, backward, what, for_holder);
+  task_rng::install(answer.rng);  // the stream continues where the callee left it
+  return answer;
 }
 
 Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backward,
@@ -317,6 +488,20 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
                               " for call ", msg.call_id, " while waiting for call ", call_id,
                               " (", what, ")"));
     return msg;
+  }
+}
+
+void Dispatcher::order_gradients(const std::vector<at::Tensor>& params) {
+  auto& I = *impl_;
+  SMP_CHECK(I.accumulators.empty(), "order_gradients: called twice");
+  for (const at::Tensor& p : params) {
+    if (!p.defined() || !p.requires_grad() || !p.is_leaf()) continue;
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    if (!acc) continue;
+    auto hook = std::make_unique<detail::GradGateHook>([&I] { I.gate(); });
+    I.gate_hooks.push_back(hook.get());
+    acc->add_pre_hook(std::move(hook));
+    I.accumulators.push_back(std::move(acc));
   }
 }
 

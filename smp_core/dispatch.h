@@ -29,6 +29,9 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
 
 #include "smp_core/p2p.h"
 #include "smp_core/scheduler.h"
@@ -61,7 +64,20 @@ class Dispatcher {
   const Schedule& schedule() const;
 
   // Starts a step of `microbatches` microbatches ("simple": no forward has finished).
-  void begin_step(int64_t microbatches);
+  // `deterministic`: the step's results do not depend on timing. Every microbatch
+  // draws from a random stream of its own (Note [Microbatch random streams] in
+  // task_rng.h; the CUDA generator too with `rng_cuda`), leaving the default
+  // generators outside the step as they were (the CPU generator advanced once on
+  // every rank, by the step's seed); and the gradients of the parameters given to
+  // order_gradients() accumulate in microbatch order (Note [Gradient order]).
+  void begin_step(int64_t microbatches, bool deterministic = false, bool rng_cuda = false);
+
+  // Note [Gradient order]: the parameters this rank holds (leaves that require grad).
+  // In a deterministic step a microbatch's gradient is added to a parameter's .grad
+  // only after every earlier microbatch's backward work on this rank is over, so the
+  // sum is taken in microbatch order whatever order requests arrive in. Call once,
+  // before the first step; the hooks stay until the Dispatcher goes.
+  void order_gradients(const std::vector<at::Tensor>& params);
 
   // Driver: runs `run` for microbatches 0 .. microbatches-1 (begin_step's count) on
   // at most schedule().window() threads, in microbatch order; returns when every one
@@ -73,6 +89,13 @@ class Dispatcher {
   // thread has stopped. Throws TimeoutError if the driver goes silent for the timeout,
   // or the error that stopped a serving thread.
   Message serve_step();
+
+  // Sends `request` (a kRequest or kBackwardRequest of the calling task's microbatch)
+  // to pp rank `dst` and waits for its answer (`kind`) as wait() does. With random
+  // streams on, the request carries the task's stream and the task continues from the
+  // one the answer brings back.
+  Message call(int dst, Message request, int32_t kind, bool backward, const std::string& what,
+               bool for_holder = false);
 
   // A task waiting for the answer (`kind`) of its call `call_id` of microbatch `mb`.
   // Gives up the lead (a serving leader) and the compute token while waiting, runs
@@ -97,6 +120,11 @@ class Dispatcher {
     int64_t requests = 0;  // requests run by this rank
     double handler_s = 0;  // inside the handler (Python: the module's work and its glue)
     double send_s = 0;     // sending the answers
+    // Note [Gradient order]: accumulations that waited for an earlier microbatch, and
+    // steps whose backward work on this rank differed from the step before (the
+    // first such step waits for the driver's word on each microbatch instead).
+    int64_t ordered_waits = 0;
+    int64_t unplanned_steps = 0;
   };
   Stats stats() const;
 

@@ -17,24 +17,36 @@
 #include "smp_core/comm.h"
 #include "smp_core/detail/tcp_mesh.h"
 #include "smp_core/errors.h"
+#include "smp_core/task.h"
+#include "smp_core/task_rng.h"
 
 namespace smp {
 namespace {
 
-constexpr int64_t kMagic = 0x736d7032;  // "smp2"
+constexpr int64_t kMagic = 0x736d7033;  // "smp3"
 constexpr int kMaxDims = 8;
 
 // Note [Wire format]: a message is ONE gathered write on the peer's socket: kFixedWords
 // header words, then per tensor kWordsPerTensor descriptor words, then the meta bytes,
-// then each tensor's bytes (contiguous, no padding). The receiver reads the header,
+// then the rng bytes (Message::rng), then each tensor's bytes (contiguous, no padding).
+// The receiver reads the header,
 // then the descriptors and meta, then each tensor's bytes directly into a new tensor.
 // A header with total_bytes 0 says the sender's engine is shutting down.
 //
 // Header, all int64: magic, total_bytes, mb, call_id, kind, meta_len, n_tensors, epoch,
-// reserved; per tensor: dtype | flags, ndim, dims[kMaxDims]. Flags: kByC10d (the bytes
-// follow by c10d send/recv, not on the socket), kOnCuda (a CUDA tensor).
+// rng_len; per tensor: dtype | flags, ndim, dims[kMaxDims], strides[kMaxDims]. Flags:
+// kByC10d (the bytes follow by c10d send/recv, not on the socket), kOnCuda (a CUDA
+// tensor).
+//
+// Note [Layout travels]: a tensor arrives with the strides it was sent with when its
+// elements are dense and do not overlap (a transposed view, a channels-last batch):
+// its memory goes as it is, no copy, and the receiver allocates the same layout. A
+// module then sees the layout it would see in one process; that matters beyond speed,
+// as torch's Dropout draws its mask in memory order (empty_like keeps the strides), so
+// a transposed input crossing ranks would otherwise get another mask. Any other view
+// goes contiguous.
 constexpr size_t kFixedWords = 9;
-constexpr size_t kWordsPerTensor = 2 + kMaxDims;
+constexpr size_t kWordsPerTensor = 2 + 2 * kMaxDims;
 constexpr int64_t kByC10d = int64_t{1} << 16;
 constexpr int64_t kOnCuda = int64_t{1} << 17;
 constexpr int64_t kDtypeMask = 0xffff;
@@ -44,6 +56,10 @@ constexpr int64_t kDtypeMask = 0xffff;
 constexpr int kPayloadTag = 0;
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+// The memory of a dense, non-overlapping tensor as a contiguous 1-D tensor (a view):
+// what the wire carries (Note [Layout travels]).
+at::Tensor flat(const at::Tensor& dense) { return dense.as_strided({dense.numel()}, {1}); }
 
 }  // namespace
 
@@ -73,6 +89,10 @@ struct P2PEngine::Impl {
   // Compute token.
   bool token_held = false;
   std::thread::id token_owner;  // the thread holding the token
+  // The holder's task (task.h): its random stream is installed when it takes the
+  // token and saved when it gives it up (Note [Microbatch random streams]); nullptr:
+  // a thread with no task, nothing to swap.
+  TaskContext* token_task = nullptr;
   std::chrono::steady_clock::time_point token_since;
   struct TokenWaiter {
     int64_t priority;
@@ -132,25 +152,37 @@ struct P2PEngine::Impl {
         m.kind = static_cast<int32_t>(w[4]);
         const int64_t meta_len = w[5], n = w[6];
         m.epoch = w[7];
+        const int64_t rng_len = w[8];
+        SMP_CHECK(meta_len >= 0 && n >= 0 && rng_len >= 0 && meta_len + rng_len <= total,
+                  "p2p: bad message header from pp rank ", peer);
         std::vector<int64_t> desc(static_cast<size_t>(n) * kWordsPerTensor);
         m.meta.resize(static_cast<size_t>(meta_len));
+        m.rng.resize(static_cast<size_t>(rng_len));
         if (!desc.empty()) detail::read_exact(fd, desc.data(), desc.size() * 8);
         if (meta_len) detail::read_exact(fd, m.meta.data(), m.meta.size());
+        if (rng_len) detail::read_exact(fd, m.rng.data(), m.rng.size());
         for (int64_t i = 0; i < n; ++i) {
           const int64_t* t = desc.data() + i * kWordsPerTensor;
           SMP_CHECK(t[1] >= 0 && t[1] <= kMaxDims, "p2p: bad tensor descriptor from pp rank ", peer);
           std::vector<int64_t> dims(t + 2, t + 2 + t[1]);
+          std::vector<int64_t> strides(t + 2 + kMaxDims, t + 2 + kMaxDims + t[1]);
           const bool c10d_payload = t[0] & kByC10d;
           // Taken under the lock: orders this read of `device` after set_payload_group.
           c10::intrusive_ptr<c10d::ProcessGroup> group;
           if (c10d_payload) group = payload_group(peer);
           const at::Device where = (t[0] & kOnCuda) ? device : at::Device(at::kCPU);
-          auto tensor = at::empty(dims, at::TensorOptions()
-                                            .dtype(static_cast<at::ScalarType>(t[0] & kDtypeMask))
-                                            .device(where));
+          for (size_t k = 0; k < dims.size(); ++k)
+            SMP_CHECK(dims[k] >= 0 && strides[k] >= 0, "p2p: bad tensor descriptor from pp rank ",
+                      peer);
+          auto tensor = at::empty_strided(
+              dims, strides,
+              at::TensorOptions().dtype(static_cast<at::ScalarType>(t[0] & kDtypeMask)).device(where));
+          // Note [Layout travels]: only a dense layout is read straight into memory.
+          SMP_CHECK(tensor.is_non_overlapping_and_dense(), "p2p: bad tensor layout from pp rank ",
+                    peer);
           const auto nbytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
           if (c10d_payload) {
-            std::vector<at::Tensor> one{tensor};
+            std::vector<at::Tensor> one{flat(tensor)};
             wait_payload(group->recv(one, peer, kPayloadTag),
                          str_cat("a pipeline tensor from pp rank ", peer, " (c10d recv)"));
           } else if (nbytes) {
@@ -208,7 +240,9 @@ struct P2PEngine::Impl {
   }
 
   // Token helpers; `lock` holds mu.
-  void acquire_locked(std::unique_lock<std::mutex>& lock, int64_t priority) {
+  // `task`: the task taking the token (its thread's, or the holder's when a thread
+  // works for the holder).
+  void acquire_locked(std::unique_lock<std::mutex>& lock, int64_t priority, TaskContext* task) {
     TokenWaiter me{priority, next_ticket++, {}};
     token_waiters.push_back(&me);
     me.cv.wait(lock, [&] { return !token_held && best_token_waiter() == &me; });
@@ -216,6 +250,8 @@ struct P2PEngine::Impl {
     token_held = true;
     token_owner = std::this_thread::get_id();
     token_since = std::chrono::steady_clock::now();
+    token_task = task;
+    if (task) task_rng::install(task->rng);
   }
 
   bool holds_token_locked() const {
@@ -226,6 +262,9 @@ struct P2PEngine::Impl {
   // take the token back) must not release another task's token on its way out.
   void release_locked() {
     if (!holds_token_locked()) return;
+    if (token_task && !token_task->rng.empty())
+      token_task->rng = task_rng::capture_like(token_task->rng);
+    token_task = nullptr;
     token_held = false;
     stats.token_held_s +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - token_since).count();
@@ -312,9 +351,10 @@ void P2PEngine::send(int dst, const Message& msg) {
   }
   const int64_t n = static_cast<int64_t>(msg.tensors.size());
   const int64_t meta_len = static_cast<int64_t>(msg.meta.size());
+  const int64_t rng_len = static_cast<int64_t>(msg.rng.size());
   std::vector<int64_t> head(kFixedWords + n * kWordsPerTensor, 0);
   std::vector<at::Tensor> tensors, by_c10d;
-  int64_t total = static_cast<int64_t>(head.size()) * 8 + meta_len;
+  int64_t total = static_cast<int64_t>(head.size()) * 8 + meta_len + rng_len;
   auto& I = *impl_;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& t = msg.tensors[i];
@@ -327,13 +367,16 @@ void P2PEngine::send(int dst, const Message& msg) {
     int64_t* d = head.data() + kFixedWords + i * kWordsPerTensor;
     d[0] = static_cast<int64_t>(t.scalar_type()) | (c10d_payload ? kByC10d : 0) |
            (t.device().is_cuda() ? kOnCuda : 0);
-    (c10d_payload ? by_c10d : tensors).push_back(t.contiguous());
+    // Note [Layout travels]: a dense layout goes as it is; any other view contiguous.
+    const at::Tensor dense = t.is_non_overlapping_and_dense() ? t : t.contiguous();
+    (c10d_payload ? by_c10d : tensors).push_back(flat(dense));
     d[1] = t.dim();
-    for (int64_t k = 0; k < t.dim(); ++k) d[2 + k] = t.size(k);
+    for (int64_t k = 0; k < t.dim(); ++k) d[2 + k] = dense.size(k);
+    for (int64_t k = 0; k < t.dim(); ++k) d[2 + kMaxDims + k] = dense.stride(k);
     total += t.numel() * static_cast<int64_t>(t.element_size());
   }
   head[0] = kMagic, head[1] = total, head[2] = msg.mb, head[3] = msg.call_id, head[4] = msg.kind;
-  head[5] = meta_len, head[6] = n;
+  head[5] = meta_len, head[6] = n, head[8] = rng_len;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     head[7] = impl_->epoch;
@@ -341,6 +384,7 @@ void P2PEngine::send(int dst, const Message& msg) {
   std::vector<iovec> iov;
   iov.push_back({head.data(), head.size() * 8});
   if (meta_len) iov.push_back({const_cast<char*>(msg.meta.data()), msg.meta.size()});
+  if (rng_len) iov.push_back({const_cast<char*>(msg.rng.data()), msg.rng.size()});
   for (const at::Tensor& t : tensors)
     if (t.numel()) iov.push_back({t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size()});
   try {
@@ -385,10 +429,12 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
       if (match(*it) && rank_of(*it) < rank_of(*best)) best = it;
     return best;
   };
-  // Step-level messages (an abort, the step's end) stay in the mailbox until the next
-  // begin_step, so that every waiting task of the step sees them, not only the first.
+  // Step-level messages (an abort, the step's end) and a microbatch's end stay in the
+  // mailbox until the next begin_step, so that every waiting task of the step sees
+  // them, not only the first.
   auto take = [&](std::deque<Message>::iterator pos) {
-    if (pos->kind == kAbort || pos->kind == kStepEnd) return Message(*pos);
+    if (pos->kind == kAbort || pos->kind == kStepEnd || pos->kind == kMicrobatchDone)
+      return Message(*pos);
     Message m = std::move(*pos);
     I.mailbox.erase(pos);
     return m;
@@ -396,8 +442,10 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
   auto it = find();
   if (it == I.mailbox.end()) {
     std::thread::id holder;
+    TaskContext* holder_task = nullptr;
     if (yield_token && (I.holds_token_locked() || (for_holder && I.token_held))) {
       holder = I.token_owner;
+      holder_task = I.token_task;
       I.token_owner = std::this_thread::get_id();  // released by this thread, for the holder
       I.release_locked();
     } else {
@@ -419,7 +467,7 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
     Message m = take(it);
     I.stats.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (yield_token) {
-      I.acquire_locked(lock, priority);
+      I.acquire_locked(lock, priority, holder_task);
       I.token_owner = holder;  // back to whoever held it
     }
     return m;
@@ -429,7 +477,12 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
 
 void P2PEngine::acquire_token(int64_t priority) {
   std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->acquire_locked(lock, priority);
+  impl_->acquire_locked(lock, priority, current_task());
+}
+
+int64_t P2PEngine::token_microbatch() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->token_held && impl_->token_task ? impl_->token_task->mb.load() : -1;
 }
 
 void P2PEngine::release_token() {

@@ -41,7 +41,7 @@ enum MsgKind : int32_t {
   kBackwardRequest = 3,   // output gradients of an earlier call
   kBackwardResponse = 4,  // input gradients
   kError = 5,             // the call raised: meta holds the pickled error
-  kMicrobatchDone = 6,    // unused (tasks now end with the step); kept: kinds are on the wire
+  kMicrobatchDone = 6,    // a microbatch's backward work is over (Note [Gradient order]); sticky
   kStepEnd = 7,           // the driver finished the step: meta holds the outputs; sticky
   kAbort = 8,             // the step failed somewhere: meta holds the pickled error
 };
@@ -64,6 +64,9 @@ struct Message {
   int32_t kind = 0;      // MsgKind
   std::string meta;      // opaque bytes (pickled structure, module name, error, ...)
   std::vector<at::Tensor> tensors;
+  // The microbatch's random stream travelling with a call and its answer (opaque
+  // bytes of task_rng.h; empty: none). Note [Microbatch random streams].
+  std::string rng;
 };
 
 // Where a message's tensors travel (Note [Payload transports]).
@@ -108,7 +111,7 @@ class P2PEngine {
   // (kAny: any) and a kind in `kind_mask` (bit 1 << kind) is in the mailbox, removes
   // and returns it. Step-level kinds (kStepEnd, kAbort) match any `mb`; an abort is
   // returned to every waiter, and so is the step's end (they stay until the next
-  // begin_step()). With `yield_token`, the caller's compute token (if this thread
+  // begin_step()), and so is a microbatch's kMicrobatchDone. With `yield_token`, the caller's compute token (if this thread
   // holds it) is released while waiting and re-acquired with `priority` before
   // returning; a recv that throws returns without it. With `for_holder` as well, a
   // thread working for the token's holder (autograd's device thread running a node of
@@ -128,6 +131,10 @@ class P2PEngine {
   // nothing (a task whose yielding recv() failed does not hold it).
   void acquire_token(int64_t priority);
   void release_token();
+
+  // The microbatch of the task holding the token (task.h), or -1 (none holds it, or a
+  // thread with no task does).
+  int64_t token_microbatch() const;
 
   // Note [Step epochs]: every message carries the sender's step number. A rank may
   // receive messages of the next step before it has finished the current one (the

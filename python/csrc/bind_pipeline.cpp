@@ -125,7 +125,8 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("call_id", &Message::call_id)
       .def_readonly("kind", &Message::kind)
       .def_property_readonly("meta", [](const Message& msg) { return py::bytes(msg.meta); })
-      .def_readonly("tensors", &Message::tensors);
+      .def_readonly("tensors", &Message::tensors)
+      .def_property_readonly("rng", [](const Message& msg) { return py::bytes(msg.rng); });
   py::class_<P2PEngine::Stats>(m, "P2PStats")
       .def_readonly("messages_sent", &P2PEngine::Stats::messages_sent)
       .def_readonly("messages_received", &P2PEngine::Stats::messages_received)
@@ -155,7 +156,9 @@ void bind_pipeline(py::module_& m) {
   py::class_<Dispatcher::Stats>(m, "DispatchStats")
       .def_readonly("requests", &Dispatcher::Stats::requests)
       .def_readonly("handler_s", &Dispatcher::Stats::handler_s)
-      .def_readonly("send_s", &Dispatcher::Stats::send_s);
+      .def_readonly("send_s", &Dispatcher::Stats::send_s)
+      .def_readonly("ordered_waits", &Dispatcher::Stats::ordered_waits)
+      .def_readonly("unplanned_steps", &Dispatcher::Stats::unplanned_steps);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
                        py::function handler, py::function spawn, py::object encode_error) {
@@ -182,13 +185,17 @@ void bind_pipeline(py::module_& m) {
            }),
            py::arg("p2p"), py::arg("schedule"), py::arg("handler"), py::arg("spawn"),
            py::arg("encode_error") = py::none())
-      .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"), release())
+      .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"),
+           py::arg("deterministic") = false, py::arg("rng_cuda") = false, release())
+      .def("order_gradients", &Dispatcher::order_gradients, py::arg("params"))
       .def("drive", [](Dispatcher& d, py::function run) {
              auto fn = share(std::move(run));
              py::gil_scoped_release nogil;
              d.drive([fn](int64_t mb) { call_python<void>(fn, mb); });
            }, py::arg("run"))
       .def("serve_step", &Dispatcher::serve_step, release())
+      .def("call", &Dispatcher::call, py::arg("dst"), py::arg("request"), py::arg("kind"),
+           py::arg("backward"), py::arg("what"), py::arg("for_holder") = false, release())
       .def("wait", &Dispatcher::wait, py::arg("mb"), py::arg("call_id"), py::arg("kind"),
            py::arg("backward"), py::arg("what"), py::arg("for_holder") = false, release())
       .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())

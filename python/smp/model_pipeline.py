@@ -6,6 +6,7 @@ model's attributes (see model.py's __init__)."""
 import torch
 
 from smp import agreement, core, log, tracer
+from smp.nested import map_leaves
 
 __all__ = []
 
@@ -15,10 +16,14 @@ class PipelineMixin:
         """Runs the first microbatch through the whole model, recording the trace.
 
         The trace leaves no trace: buffers (BatchNorm statistics, counters) and RNG
-        states are restored afterwards. A failure on any rank raises on every rank.
+        states are restored afterwards, and it runs on a copy of the microbatch's
+        tensors, so a module that changes its input in place does not change the
+        user's batch before the step proper runs. A failure on any rank raises on
+        every rank.
         """
         trace = tracer.Trace(self.module, self.trace_execution_times, self.trace_memory_usage)
-        args, kwargs = mb_inputs[0]
+        args, kwargs = map_leaves(mb_inputs[0], torch.Tensor.clone,
+                                  lambda x: isinstance(x, torch.Tensor))
         restore = agreement.snapshot_side_effects(self.module)
         core.state.tracing = True
         self._in_step = True
@@ -64,6 +69,7 @@ class PipelineMixin:
         engine = pipeline.Engine(self)
         self._tied = placement.apply(self._module_table, self._owner, engine, core.pp_rank())
         self._tied.sync_values()
+        engine.order_gradients(self.module.parameters())
         self._engine = engine
 
     def _run_pipeline_step(self, fn, mb_inputs, sync_step, joining=None):

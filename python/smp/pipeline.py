@@ -108,6 +108,11 @@ class Engine:
         kind = _C.PayloadTransport.C10D if mode == "c10d" else _C.PayloadTransport.AUTO
         self.p2p.set_payload_group(mine, kind, device)
 
+    def order_gradients(self, params):
+        """Note [Gradient order] (smp_core/dispatch.h): `params`, the parameters this
+        rank holds, sum their microbatches' gradients in microbatch order."""
+        self.dispatch.order_gradients([p for p in params if p.requires_grad and p.numel() > 0])
+
     def log_failure(self, exc):
         """Every rank logs the step x rank table with the failing cell marked."""
         cell = getattr(exc, "_smp_cell", None)
@@ -132,14 +137,15 @@ class Engine:
 
     # --- caller side ------------------------------------------------------------------
 
-    def wait(self, mb, call_id, kind, what):
-        """Waits for the answer to `call_id`; the dispatcher runs requests of `mb` that
-        arrive meanwhile (nested calls back into this rank)."""
+    def call_remote(self, owner, request, kind, what):
+        """Sends `request` to pp rank `owner` and waits for its answer (`kind`); the
+        dispatcher runs requests of the microbatch that arrive meanwhile (nested calls
+        back into this rank), and carries the microbatch's random stream both ways."""
         # A thread that is no task (autograd's device thread running a remote call's
         # backward for the task that waits on it) yields the task's token.
         foreign = _task.mb is None
-        msg = self.dispatch.wait(mb, call_id, int(kind), bool(_task.backward) or foreign, what,
-                                 foreign)
+        msg = self.dispatch.call(owner, request, int(kind), bool(_task.backward) or foreign,
+                                 what, foreign)
         if msg.kind == K.ERROR or msg.kind == K.ABORT:
             raise_remote(msg.meta, self.own_error)
         return msg
@@ -236,7 +242,13 @@ class Engine:
         self.epoch += 1
         self.p2p.begin_step(self.epoch)  # Note [Step epochs] in smp_core/p2p.h
         timeline.begin_step()  # SMP_TIMELINE_STEPS counts the pipelined steps
-        self.dispatch.begin_step(len(mb_inputs) if core.pp_rank() == 0 else self.cfg.microbatches)
+        # Deterministic: a microbatch's random numbers do not depend on timing, the
+        # schedule or the partitioning (Note [Microbatch random streams] in
+        # smp_core/task_rng.h), and gradients sum in microbatch order (Note [Gradient
+        # order] in smp_core/dispatch.h): the same job twice gives the same numbers.
+        cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.dispatch.begin_step(len(mb_inputs) if core.pp_rank() == 0 else self.cfg.microbatches,
+                                 deterministic=True, rng_cuda=cuda_rng)
         if core.pp_rank() == 0:
             return self._drive(fn, mb_inputs)
         return self._serve_step()

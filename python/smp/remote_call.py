@@ -62,7 +62,8 @@ def encode_request(name, args, kwargs, tensors, grad, flags):
     """The REQUEST metadata of calling module `name` with (args, kwargs); appends the
     tensors to `tensors`. Tensors passed positionally (the usual case) need no skeleton
     pickled per call: their metadata is cached."""
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+    if (not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+            and len({id(a) for a in args}) == len(args)):  # no tensor passed twice
         tensors.extend(args)
         key = (name, tuple(t.requires_grad for t in args), grad, flags)
         meta = _REQUESTS.get(key)
@@ -129,11 +130,11 @@ class Call:
         e = self.engine
         meta = self.meta
         with timeline.span(f"call {self.name}", mb=self.mb):
-            e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.REQUEST, meta,
-                                              [t.detach() for t in tensors]))
-            msg = e.wait(self.mb, self.call_id, K.RESPONSE,
-                         f"the output of '{self.name}' (microbatch {self.mb}, call "
-                         f"{self.call_id}) from pp rank {self.owner}")
+            msg = e.call_remote(self.owner,
+                                _C.Message(self.mb, self.call_id, K.REQUEST, meta,
+                                           [t.detach() for t in tensors]),
+                                K.RESPONSE, f"the output of '{self.name}' (microbatch {self.mb}, "
+                                f"call {self.call_id}) from pp rank {self.owner}")
         self.out_skeleton, self.out_requires_grad = decode(msg.meta)
         return msg.tensors
 
@@ -142,11 +143,12 @@ class Call:
         present = [g is not None and rg for g, rg in zip(grads, self.out_requires_grad)]
         sent = [g.contiguous() for g, p in zip(grads, present) if p]
         with timeline.span(f"call bwd {self.name}", mb=self.mb):
-            e.p2p.send(self.owner, _C.Message(self.mb, self.call_id, K.BACKWARD_REQUEST,
-                                              encode_present(tuple(present)), sent))
-            msg = e.wait(self.mb, self.call_id, K.BACKWARD_RESPONSE,
-                         f"the input gradients of '{self.name}' (microbatch {self.mb}, call "
-                         f"{self.call_id}) from pp rank {self.owner}")
+            msg = e.call_remote(self.owner,
+                                _C.Message(self.mb, self.call_id, K.BACKWARD_REQUEST,
+                                           encode_present(tuple(present)), sent),
+                                K.BACKWARD_RESPONSE, f"the input gradients of '{self.name}' "
+                                f"(microbatch {self.mb}, call {self.call_id}) from pp rank "
+                                f"{self.owner}")
         flags = decode(msg.meta)
         got = iter(msg.tensors)
         return [next(got) if f else None for f in flags]

@@ -30,6 +30,21 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
   std::function<void()> fn_;
 };
 
+// Calls `fn` before autograd accumulates a parameter's gradient (a pre hook on its
+// AccumulateGrad node): Note [Gradient order] in smp_core/dispatch.h. Passes the
+// gradients through unchanged; `fn` may block or throw.
+class GradGateHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit GradGateHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    fn_();
+    return grads;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
 // Marks reachable[i] = 1 for each parameter i whose AccumulateGrad node (keyed in
 // `index`) the autograd graph of `outputs` reaches; `reachable` has one entry per
 // parameter. An output that is itself a parameter reaches it.

@@ -103,6 +103,53 @@ TEST(P2P, TensorsByC10dSendRecv) {
   }
 }
 
+// Note [Layout travels]: a dense view (transposed, channels-last) arrives with its
+// strides, on the mesh and by c10d; any other view arrives contiguous; the random
+// stream bytes travel beside the meta.
+TEST(P2P, DenseLayoutsArriveWithTheirStrides) {
+  for (auto mode : {PayloadTransport::kTcp, PayloadTransport::kC10d}) {
+    run_gloo_world(2, [mode](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr& store) {
+      P2PEngine eng(store, "p2p", r, 2, 10);
+      if (mode != PayloadTransport::kTcp) eng.set_payload_group(pg, mode);
+      auto base = at::arange(2 * 3 * 4 * 5, at::kFloat).view({2, 3, 4, 5});
+      std::vector<at::Tensor> ts = {base.transpose(0, 1), base.contiguous(at::MemoryFormat::ChannelsLast),
+                                    base.select(3, 1) /* strided, not dense */,
+                                    at::arange(6, at::kFloat).view({2, 3}).t()};
+      if (r == 0) {
+        Message m = make(0, 1, kRequest, "layouts", ts);
+        m.rng = std::string("\x01\x00stream", 8);
+        eng.send(1, m);
+      } else {
+        Message m = eng.recv(0, 1, bit(kRequest), "layouts");
+        ASSERT_EQ(m.tensors.size(), ts.size());
+        for (size_t i = 0; i < ts.size(); ++i) EXPECT_TRUE(m.tensors[i].equal(ts[i])) << i;
+        EXPECT_EQ(m.tensors[0].strides(), ts[0].strides());
+        EXPECT_EQ(m.tensors[1].strides(), ts[1].strides());
+        EXPECT_EQ(m.tensors[3].strides(), ts[3].strides());
+        EXPECT_TRUE(m.tensors[2].is_contiguous());
+        EXPECT_EQ(m.rng, std::string("\x01\x00stream", 8));
+        EXPECT_TRUE(m.tensors[0].data_ptr() != ts[0].data_ptr());
+      }
+    });
+  }
+}
+
+// Note [Gradient order]: a microbatch's end stays for every waiter of the step, and
+// only for its own microbatch.
+TEST(P2P, MicrobatchDoneIsStickyPerMicrobatch) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 2, r == 0 ? 10 : 0.5);
+    if (r == 0) {
+      eng.send(1, make(2, 0, kMicrobatchDone, ""));
+      eng.recv(0, 1, bit(kResponse), "rank 1's end of the test");
+    } else {
+      for (int i = 0; i < 3; ++i) EXPECT_EQ(eng.recv(2, kAny, bit(kMicrobatchDone), "mb 2").mb, 2);
+      EXPECT_THROW(eng.recv(1, kAny, bit(kMicrobatchDone), "mb 1"), TimeoutError);
+      eng.send(0, make(0, 1, kResponse, "done"));
+    }
+  });
+}
+
 TEST(P2P, ConcurrentSendersNeverInterleave) {
   run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
     P2PEngine eng(store, "p2p", r, 2, 10);

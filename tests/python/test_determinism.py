@@ -2,53 +2,32 @@
 partitioning (Note [Microbatch random streams] in smp_core/task_rng.h, Note [Gradient
 order] in smp_core/dispatch.h, Note [Layout travels] in smp_core/p2p.cpp).
 
-A GPT-style model with Dropout 0.2 (random masks drawn on the ranks that own the
-blocks, attention outputs crossing ranks as transposed views) trains three AdamW steps;
+examples/gpt_checkpoint.py's GPT-style model with Dropout 0.2 (random masks drawn on
+the ranks that own the blocks, attention outputs crossing ranks as transposed views)
+trains three AdamW steps;
 every run reports its losses, a SHA-256 of every parameter and the driver's next
 torch.rand() after training. Runs are compared by those, for equality.
 """
 import json
+import pathlib
+
+EXAMPLES = str(pathlib.Path(__file__).resolve().parents[2] / "examples")
 
 TRAIN = r"""
 import hashlib, json, sys
 import torch, torch.nn as nn
 import smp
 
-VOCAB, CTX, D = 64, 16, 32
+opts = json.loads(sys.argv[1])
+sys.path.insert(0, opts["examples"])
+from gpt_checkpoint import CTX, GPT, VOCAB  # tied head, Dropout, MultiheadAttention
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.attn = nn.MultiheadAttention(D, 4, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x):
-        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
-        h = self.ln1(x)
-        x = x + self.drop(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
-        return x + self.drop(self.mlp(self.ln2(x)))
-
-class GPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, D), nn.Embedding(CTX, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-        self.ln_f = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB, bias=False)
-        self.head.weight = self.tok.weight  # tied
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln_f(x))
-
-cfg = json.loads(sys.argv[1])
-smp.init(dict(cfg, microbatches=4))
+smp.init(dict(opts["cfg"], microbatches=4))
 torch.manual_seed(0)
 net = GPT()
+for m in net.modules():
+    if isinstance(m, nn.Dropout):
+        m.p = 0.2
 model = smp.DistributedModel(net)
 opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=3e-3))
 
@@ -84,7 +63,8 @@ smp.shutdown()
 
 
 def _result(ranks, world, cfg):
-    res = ranks(TRAIN, world, args=(json.dumps(cfg),), timeout=240)
+    res = ranks(TRAIN, world, args=(json.dumps({"cfg": cfg, "examples": EXAMPLES}),),
+                timeout=240)
     line = next(l for l in res[0].stdout.splitlines() if l.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 

@@ -19,6 +19,8 @@
 """
 import json
 import os
+import pickle
+import re
 import shutil
 
 import pytest
@@ -576,10 +578,29 @@ def test_weights_only_as_torch_load(tmp_path):
     net(torch.ones(1, 3)).sum().backward()
     opt.step()
     ck = str(tmp_path / "full.pt")
-    smp.save({"model": net.state_dict(), "opt": opt.state_dict()}, ck, partial=False)
-    got = smp.load(ck, partial=False, weights_only=True)
-    assert torch.equal(got["model"]["weight"], net.weight.detach())
-    assert torch.equal(got["opt"]["state"][0]["exp_avg"], opt.state[net.weight]["exp_avg"])
+    dicts = {"model": net.state_dict(), "opt": opt.state_dict()}
+    smp.save(dicts, ck, partial=False)
+    # The reference is torch.load(weights_only=True) of the same dicts in this run: 2.x
+    # loads them; 1.13's weights-only unpickler knows no BINFLOAT (pickle opcode 71, the
+    # optimizer's lr, betas, eps) and refuses them, and smp.load refuses them as it does.
+    torch.save(dicts, str(tmp_path / "full_plain.pt"))
+    try:
+        torch.load(str(tmp_path / "full_plain.pt"), weights_only=True)
+        torch_refuses = None
+    except pickle.UnpicklingError as e:
+        torch_refuses = re.search(r"WeightsUnpickler error: ([^\n]*)", str(e)).group(1)
+    if torch_refuses is None:
+        got = smp.load(ck, partial=False, weights_only=True)
+        assert torch.equal(got["model"]["weight"], net.weight.detach())
+        assert torch.equal(got["opt"]["state"][0]["exp_avg"], opt.state[net.weight]["exp_avg"])
+    else:
+        with pytest.raises(smp.CheckpointError) as e:
+            smp.load(ck, partial=False, weights_only=True)
+        assert str(e.value).startswith(f"smp.load: '{ck}' holds objects that weights_only=True "
+                                       "refuses") and torch_refuses in str(e.value), \
+            (str(e.value), torch_refuses)
+        # SMP v1's default (full unpickling) still loads it.
+        assert torch.equal(smp.load(ck, partial=False)["model"]["weight"], net.weight.detach())
     # smp's hook and its state: SMP v1's default (pickle_module=pickle) loads them, as
     # torch.load with a pickle module; weights_only=True refuses them as torch 2.x refuses
     # torch's own PowerSGDState, naming the file, in an smp file and a plain torch.save one.

@@ -45,7 +45,8 @@ pg = smp.get_dp_process_group()
 
 base = Net()
 ref = copy.deepcopy(base)
-ddp = nn.parallel.DistributedDataParallel(ref, process_group=pg, bucket_cap_mb=bucket_cap_mb)
+from torch_peer import ddp_bucketed_as_smp
+ddp = ddp_bucketed_as_smp(ref, bucket_cap_mb, process_group=pg)  # smp's buckets on 1.13 too
 hook = opts.get("hook")
 PSGD = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, use_error_feedback=True,
             warm_start=True)

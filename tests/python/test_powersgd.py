@@ -52,8 +52,8 @@ from torch_peer import POWERSGD_MANY_BUCKETS_ON_GLOO
 th_hook = th_psgd.powerSGD_hook if cap == 25 or POWERSGD_MANY_BUCKETS_ON_GLOO \
     else awaited_powerSGD_hook
 ref = copy.deepcopy(base)
-ddp = nn.parallel.DistributedDataParallel(ref, process_group=pg, gradient_as_bucket_view=view,
-                                          bucket_cap_mb=cap)
+from torch_peer import ddp_bucketed_as_smp
+ddp = ddp_bucketed_as_smp(ref, cap, process_group=pg, gradient_as_bucket_view=view)
 ddp.register_comm_hook(th_psgd.PowerSGDState(process_group=pg, **kw), th_hook)
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
 

@@ -9,7 +9,7 @@ import torch
 
 __all__ = ["TORCH_2", "LOAD_DEFAULTS_TO_WEIGHTS_ONLY", "TORCHRUN_C10D_RDZV_USES_AGENT_STORE",
            "QUANTIZATION_HOOKS_RUN_ON_GLOO", "BF16_ON_GLOO", "POWERSGD_MANY_BUCKETS_ON_GLOO",
-           "quantization_helper"]
+           "DDP_FIRST_BUCKET_FOLLOWS_CAP", "quantization_helper", "ddp_bucketed_as_smp"]
 
 TORCH_2 = torch.__version__ >= "2"
 
@@ -35,9 +35,32 @@ BF16_ON_GLOO = TORCH_2
 # Compared awaited or with one bucket instead.
 POWERSGD_MANY_BUCKETS_ON_GLOO = False
 
+# torch DDP given bucket_cap_mb caps its first bucket at that size too (2.x), as smp does;
+# 1.13 caps the first bucket at dist._DEFAULT_FIRST_BUCKET_BYTES (1 MB) whatever
+# bucket_cap_mb says, so at bucket_cap_mb=0.001 tests/python/nets.Net stays one bucket
+# after the rebuild (smp and 2.15: 3). Per-bucket hooks (PowerSGD draws its random Q per
+# bucket) then differ. 1.13's DDP reads that knob once, at construction ("User can set
+# dist._DEFAULT_FIRST_BUCKET_BYTES to tune DDP first bucket"): ddp_bucketed_as_smp sets it.
+DDP_FIRST_BUCKET_FOLLOWS_CAP = TORCH_2
+
 
 def quantization_helper(quantization_hooks, op, kind):
     """torch's `_{op}_{kind}` helper of quantization_hooks (op: quantize | dequantize,
     kind: per_tensor | per_channel): `*_backend` in torch 2.x, `*_cuda` in 1.13."""
     suffix = "backend" if TORCH_2 else "cuda"
     return getattr(quantization_hooks, f"_{op}_{kind}_{suffix}")
+
+
+def ddp_bucketed_as_smp(module, bucket_cap_mb, **kw):
+    """torch DDP over `module` whose buckets are those of smp.DistributedModel with the same
+    bucket_cap_mb (first bucket included, DDP_FIRST_BUCKET_FOLLOWS_CAP); `kw` go to DDP."""
+    import torch.distributed as dist
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if DDP_FIRST_BUCKET_FOLLOWS_CAP:
+        return ddp(module, bucket_cap_mb=bucket_cap_mb, **kw)
+    saved = dist._DEFAULT_FIRST_BUCKET_BYTES
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(bucket_cap_mb * 1024 * 1024)  # as 1.13's DDP rounds
+    try:
+        return ddp(module, bucket_cap_mb=bucket_cap_mb, **kw)
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = saved

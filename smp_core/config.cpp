@@ -180,7 +180,13 @@ Config Config::from_json(const std::string& text, int rank) {
   c.partitions = p.has("partitions") ? p.get_int("partitions", 1, 1)
                                      : p.get_int("pipeline_parallel_degree", 1, 1);
   c.microbatches = p.get_int("microbatches", 1, 1);
-  c.pipeline = p.get_choice("pipeline", "interleaved", {"interleaved", "simple"});
+  // smp_core/plan.h compiles zero_bubble too; the runtime cannot split a backward into
+  // its input and weight halves yet, so it is refused by name rather than run as 1f1b.
+  if (p.has("pipeline") && obj["pipeline"] == "zero_bubble")
+    p.fail("pipeline", obj["pipeline"],
+           "executable yet: smp plans it (smp._C.Plan) but does not split a backward into "
+           "input- and weight-gradient actions; use one of {interleaved, simple, 1f1b}");
+  c.pipeline = p.get_choice("pipeline", "interleaved", {"interleaved", "simple", "1f1b"});
   c.ddp = p.get_bool("ddp", false);
   c.placement_strategy = p.get_choice("placement_strategy", "cluster", placement_choices());
   c.optimize = p.get_choice("optimize", "speed", {"speed", "memory"});

@@ -20,9 +20,18 @@ std::string cell(const Work& w) {
 
 }  // namespace
 
+const char* schedule_kind_name(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kInterleaved: return "interleaved";
+    case ScheduleKind::kSimple: return "simple";
+    case ScheduleKind::kOneFOneB: return "1f1b";
+  }
+  return "?";
+}
+
 int64_t schedule_priority(ScheduleKind kind, int64_t mb, Phase phase) {
   const bool backward = phase == Phase::kBackward;
-  const bool first = kind == ScheduleKind::kInterleaved ? backward : !backward;
+  const bool first = kind == ScheduleKind::kSimple ? !backward : backward;
   return (first ? 0 : kPhaseStride) + mb;
 }
 
@@ -40,6 +49,7 @@ Schedule::Schedule(ScheduleOptions options) : options_(options) {
 
 int64_t Schedule::window() const {
   if (options_.kind == ScheduleKind::kSimple) return options_.microbatches;
+  if (options_.kind == ScheduleKind::kOneFOneB) return std::min(options_.stages, options_.microbatches);
   return std::min(options_.active_microbatches, options_.microbatches);
 }
 
@@ -118,7 +128,7 @@ std::string Schedule::grid(const std::vector<int64_t>& path, const FailedCell* f
   for (const auto& row : rows)
     for (const auto& w : row) width = std::max(width, cell(w).size());
   width += 2;  // room for the failure mark
-  std::string out = str_cat("schedule ", options_.kind == ScheduleKind::kSimple ? "simple" : "interleaved",
+  std::string out = str_cat("schedule ", schedule_kind_name(options_.kind),
                             ", ", options_.microbatches, " microbatches, ", options_.stages,
                             " stages (time runs left to right)\n");
   bool marked = false;

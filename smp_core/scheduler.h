@@ -24,7 +24,11 @@ namespace smp {
 enum class ScheduleKind : int32_t {
   kInterleaved = 0,  // a ready backward before a new forward; window of microbatches
   kSimple = 1,       // every forward, then every backward (GPipe)
+  kOneFOneB = 2,     // interleaved's rule with 1F1B's window: one microbatch per pp rank
 };
+
+// "interleaved", "simple", "1f1b" (config 'pipeline').
+const char* schedule_kind_name(ScheduleKind kind);
 
 enum class Phase : int32_t { kForward = 0, kBackward = 1 };
 
@@ -40,7 +44,7 @@ struct Work {
 };
 
 struct ScheduleOptions {
-  // "interleaved" or "simple" (config 'pipeline').
+  // Config 'pipeline' (see smp_core/plan.h for the plans of each kind).
   ScheduleKind kind = ScheduleKind::kInterleaved;
   // Microbatches per step (config 'microbatches').
   int64_t microbatches = 1;

@@ -10,6 +10,7 @@
 #include "smp_core/dispatch.h"
 #include "smp_core/errors.h"
 #include "smp_core/p2p.h"
+#include "smp_core/plan.h"
 #include "smp_core/scheduler.h"
 
 namespace py = pybind11;
@@ -72,12 +73,13 @@ void bind_pipeline(py::module_& m) {
   py::class_<Schedule>(m, "Schedule")
       .def(py::init([](const std::string& kind, int64_t microbatches, int64_t stages,
                        int64_t active) {
-             if (kind != "interleaved" && kind != "simple")
+             ScheduleKind k = ScheduleKind::kInterleaved;
+             if (kind == "simple") k = ScheduleKind::kSimple;
+             else if (kind == "1f1b") k = ScheduleKind::kOneFOneB;
+             else if (kind != "interleaved")
                throw ConfigError("smp: config 'pipeline'='" + kind +
-                                 "' is not one of {interleaved, simple}");
-             return Schedule(ScheduleOptions{
-                 kind == "simple" ? ScheduleKind::kSimple : ScheduleKind::kInterleaved,
-                 microbatches, stages, active});
+                                 "' is not one of {interleaved, simple, 1f1b}");
+             return Schedule(ScheduleOptions{k, microbatches, stages, active});
            }),
            py::arg("kind"), py::arg("microbatches"), py::arg("stages"),
            py::arg("active_microbatches"))
@@ -102,6 +104,44 @@ void bind_pipeline(py::module_& m) {
                              std::get<2>(*failed) ? Phase::kBackward : Phase::kForward};
              return s.grid(path, &cell);
            }, py::arg("path") = std::vector<int64_t>{}, py::arg("failed") = py::none());
+  // The plans as data (smp_core/plan.h): compiled, validated, printed and simulated
+  // without processes; bench/pipeline.py reports zero_bubble's bubble against 1f1b's.
+  py::class_<Plan>(m, "Plan")
+      .def(py::init([](const std::string& kind, int64_t microbatches, int64_t stages,
+                       int64_t active, const std::vector<int64_t>& path,
+                       std::tuple<int64_t, int64_t, int64_t> costs) {
+             PlanOptions o;
+             o.kind = plan_kind_from_name(kind);
+             o.microbatches = microbatches;
+             o.stages = stages;
+             o.active_microbatches = active;
+             o.path = path;
+             o.costs = {std::get<0>(costs), std::get<1>(costs), std::get<2>(costs)};
+             return Plan::compile(o);
+           }),
+           py::arg("kind"), py::arg("microbatches"), py::arg("stages"),
+           py::arg("active_microbatches") = 3, py::arg("path") = std::vector<int64_t>{},
+           py::arg("costs") = std::make_tuple(int64_t{1}, int64_t{1}, int64_t{1}))
+      .def("window", &Plan::window)
+      .def("validate", &Plan::validate)
+      .def("compute", [](const Plan& p) {
+             std::vector<std::vector<std::string>> out;
+             for (const auto& list : p.compute()) {
+               out.emplace_back();
+               for (const auto& a : list) out.back().push_back(a.str(true));
+             }
+             return out;
+           }, "Per pp rank, the compute actions in order, as 'F3.h0' (op, microbatch, hop).")
+      .def("format", [](const Plan& p) { return p.format(); })
+      .def("timeline", [](const Plan& p) { return p.timeline(); })
+      .def("simulate", [](const Plan& p) {
+             auto t = p.simulate();
+             py::dict d;
+             d["makespan"] = t.makespan;
+             d["busy"] = t.busy;
+             d["bubble_fraction"] = t.bubble_fraction;
+             return d;
+           });
   py::enum_<PayloadTransport>(m, "PayloadTransport")
       .value("TCP", PayloadTransport::kTcp)
       .value("C10D", PayloadTransport::kC10d)

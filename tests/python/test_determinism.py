@@ -78,12 +78,14 @@ def test_identical_pp2_dp2_runs_are_equal_bitwise(ranks):
 
 
 def test_schedule_and_partitioning_do_not_change_the_numbers(ranks):
-    # The same data on one replica: pp=2 under both schedules and pp=4 draw the same
+    # The same data on one replica: pp=2 under every schedule and pp=4 draw the same
     # masks and sum gradients in the same order, so they agree to the last bit.
     interleaved = _result(ranks, 2, {"partitions": 2})
     simple = _result(ranks, 2, {"partitions": 2, "pipeline": "simple"})
+    one_f_one_b = _result(ranks, 2, {"partitions": 2, "pipeline": "1f1b"})
     pp4 = _result(ranks, 4, {"partitions": 4})
     assert simple == interleaved
+    assert one_f_one_b == interleaved
     assert pp4 == interleaved
 
 

@@ -372,10 +372,10 @@ for k in ("microbatches", "prescaled_batch", "fp16", "bf16", "shard_optimizer_st
     assert hasattr(c, k), k
 assert c.prescaled_batch is False and c.tensor_parallel_degree == 1 and c.ddp_port == 1234
 try:
-    smp._C.parse_config('{"pipeline": "1f1b"}')
+    smp._C.parse_config('{"pipeline": "gpipe"}')
     raise AssertionError("no error")
 except smp.ConfigError as e:
-    assert "'pipeline'='1f1b'" in str(e), e  # string values quoted
+    assert "'pipeline'='gpipe'" in str(e), e  # string values quoted
 print("OK")
 """
 

@@ -183,10 +183,18 @@ def _run(ranks, world, cfg, model="residual"):
     return ranks(SCRIPT, world, args=(json.dumps({"cfg": cfg, "model": model}),), timeout=180)
 
 
-@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
+@pytest.mark.parametrize("pipeline", ["interleaved", "simple", "1f1b"])
 @pytest.mark.parametrize("mb", [1, 2, 4])
 def test_pp2_matches_single_process(ranks, pipeline, mb):
     _run(ranks, 2, {"partitions": 2, "microbatches": mb, "pipeline": pipeline})
+
+
+@pytest.mark.parametrize("world,cfg", [
+    (4, {"partitions": 4, "microbatches": 8}),
+    (4, {"partitions": 2, "microbatches": 4, "ddp": True}),
+], ids=["pp4-mb8", "pp2xdp2-mb4"])
+def test_1f1b_matches_single_process(ranks, world, cfg):
+    _run(ranks, world, dict(cfg, pipeline="1f1b"))
 
 
 # The c10d payload path (Note [Payload transports] in smp_core/p2p.h) through the same

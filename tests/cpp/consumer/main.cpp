@@ -12,7 +12,7 @@
 
 int main(int argc, char** argv) {
   try {
-    smp::Config::from_json(R"({"pipeline": "1f1b"})");
+    smp::Config::from_json(R"({"pipeline": "gpipe"})");
     std::cout << "bad config accepted\n";
     return 1;
   } catch (const smp::ConfigError& e) {

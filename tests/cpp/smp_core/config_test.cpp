@@ -69,8 +69,13 @@ TEST(Config, PipelineParallelDegreeIsAnAlias) {
 }
 
 TEST(Config, BadValuesNameKeyValueAndAllowed) {
-  EXPECT_EQ(error_of(R"({"pipeline": "1f1b"})", 3),
-            "smp: config 'pipeline'='1f1b' is not one of {interleaved, simple} (rank 3)");
+  EXPECT_EQ(error_of(R"({"pipeline": "gpipe"})", 3),
+            "smp: config 'pipeline'='gpipe' is not one of {interleaved, simple, 1f1b} (rank 3)");
+  EXPECT_EQ(Config::from_json(R"({"pipeline": "1f1b"})").pipeline, "1f1b");
+  EXPECT_EQ(error_of(R"({"pipeline": "zero_bubble"})"),
+            "smp: config 'pipeline'='zero_bubble' is not executable yet: smp plans it "
+            "(smp._C.Plan) but does not split a backward into input- and weight-gradient "
+            "actions; use one of {interleaved, simple, 1f1b}");
   EXPECT_EQ(error_of(R"({"partitions": 0})"),
             "smp: config 'partitions'=0 is not an integer in [1, 1073741824]");
   EXPECT_EQ(error_of(R"({"partitions": 2.5})"),

@@ -1,0 +1,490 @@
+#include "smp_core/plan.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <tuple>
+
+#include "smp_core/errors.h"
+
+namespace smp {
+namespace {
+
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+bool is_compute(Op op) { return op <= Op::kBackwardWeight; }
+// B and I are what the previous hop's backward waits for.
+bool is_backward_input(Op op) { return op == Op::kBackward || op == Op::kBackwardInput; }
+
+const char* op_code(Op op) {
+  switch (op) {
+    case Op::kForward: return "F";
+    case Op::kBackward: return "B";
+    case Op::kBackwardInput: return "I";
+    case Op::kBackwardWeight: return "W";
+    case Op::kSendForward: return "SF";
+    case Op::kRecvForward: return "RF";
+    case Op::kSendBackward: return "SB";
+    case Op::kRecvBackward: return "RB";
+    case Op::kReduce: return "R";
+  }
+  return "?";
+}
+
+// When each compute action finished (kNever: not yet), by (microbatch, hop).
+struct Done {
+  Done(int64_t m, int64_t hops)
+      : f(m, std::vector<int64_t>(hops, kNever)), b(f), w(f), forwards_left(m) {}
+  std::vector<std::vector<int64_t>> f, b, w;  // b: B or I
+  int64_t forwards_left;  // microbatches whose last forward hop has not finished
+  int64_t last_forward = 0;  // when the last of them finished
+
+  int64_t& at(const Action& a) {
+    return a.op == Op::kForward ? f[a.mb][a.hop] : a.op == Op::kBackwardWeight ? w[a.mb][a.hop]
+                                                                              : b[a.mb][a.hop];
+  }
+  void finish(const Action& a, int64_t t, int64_t hops) {
+    at(a) = t;
+    if (a.op == Op::kForward && a.hop == hops - 1) {
+      --forwards_left;
+      last_forward = std::max(last_forward, t);
+    }
+  }
+};
+
+// Note [Plan rules] (dependencies): forward hop h needs forward hop h-1; the backward
+// (B or I) of the last hop needs that hop's forward and, under "simple", every
+// microbatch's forward; backward hop h needs backward hop h+1; W needs its I.
+// Returns when `a` can start (kNever: not known yet).
+int64_t ready_at(const Action& a, const Done& d, int64_t hops, bool simple) {
+  if (a.op == Op::kForward) return a.hop == 0 ? 0 : d.f[a.mb][a.hop - 1];
+  if (a.op == Op::kBackwardWeight) return d.b[a.mb][a.hop];
+  if (a.hop < hops - 1) return d.b[a.mb][a.hop + 1];
+  if (!simple) return d.f[a.mb][a.hop];
+  return d.forwards_left == 0 ? std::max(d.last_forward, d.f[a.mb][a.hop]) : kNever;
+}
+
+std::string awaited(const Action& a, const Done& d, int64_t hops, bool simple) {
+  if (a.op == Op::kForward) return str_cat("F", a.mb, " hop ", a.hop - 1);
+  if (a.op == Op::kBackwardWeight) return str_cat("I", a.mb, " hop ", a.hop);
+  if (a.hop < hops - 1) return str_cat("B/I", a.mb, " hop ", a.hop + 1);
+  if (simple && d.forwards_left > 0) return "every microbatch's forward ('simple')";
+  return str_cat("F", a.mb, " hop ", a.hop);
+}
+
+int64_t cost_of(const Action& a, const PlanCosts& c) {
+  switch (a.op) {
+    case Op::kForward: return c.forward;
+    case Op::kBackward: return c.input + c.weight;
+    case Op::kBackwardInput: return c.input;
+    case Op::kBackwardWeight: return c.weight;
+    default: return 0;
+  }
+}
+
+// Note [Plan rules] (order): a free rank starts its ready action with the smallest key.
+// simple: forwards first; interleaved and 1f1b: backward first; zero_bubble: I first,
+// then F, and W only when nothing else is ready. Then the earlier microbatch, then the
+// later hop (deeper work first).
+std::tuple<int, int64_t, int64_t> rule_key(PlanKind kind, const Action& a) {
+  int cls = 0;
+  switch (kind) {
+    case PlanKind::kSimple: cls = a.op == Op::kForward ? 0 : 1; break;
+    case PlanKind::kInterleaved:
+    case PlanKind::k1F1B: cls = a.op == Op::kForward ? 1 : 0; break;
+    case PlanKind::kZeroBubble:
+      cls = a.op == Op::kBackwardInput ? 0 : a.op == Op::kForward ? 1 : 2;
+      break;
+  }
+  return {cls, a.mb, -a.hop};
+}
+
+void check_options(const PlanOptions& o) {
+  if (o.microbatches < 1)
+    throw ConfigError(str_cat("smp: plan 'microbatches'=", o.microbatches,
+                              " is not an integer >= 1"));
+  if (o.stages < 1)
+    throw ConfigError(str_cat("smp: plan 'partitions'=", o.stages, " is not an integer >= 1"));
+  if (o.active_microbatches < 1)
+    throw ConfigError(str_cat("smp: plan 'active_microbatches'=", o.active_microbatches,
+                              " is not an integer >= 1"));
+  // W may cost nothing where it is no action of its own (B = I + W).
+  const int64_t min_weight = o.kind == PlanKind::kZeroBubble ? 1 : 0;
+  if (o.costs.forward < 1 || o.costs.input < 1 || o.costs.weight < min_weight)
+    throw ConfigError(str_cat("smp: plan costs (forward ", o.costs.forward, ", input ",
+                              o.costs.input, ", weight ", o.costs.weight, ") must be integers >= 1",
+                              min_weight ? "" : " (weight >= 0)"));
+}
+
+std::vector<int64_t> resolve_path(const PlanOptions& o) {
+  std::vector<int64_t> path = o.path;
+  if (path.empty())
+    for (int64_t s = 0; s < o.stages; ++s) path.push_back(s);
+  for (size_t h = 0; h < path.size(); ++h) {
+    if (path[h] < 0 || path[h] >= o.stages)
+      throw ConfigError(str_cat("smp: plan path visits pp rank ", path[h], " at hop ", h,
+                                "; allowed: 0 .. ", o.stages - 1));
+    if (h > 0 && path[h] == path[h - 1])
+      throw ConfigError(str_cat("smp: plan path visits pp rank ", path[h],
+                                " twice in a row (hops ", h - 1, " and ", h,
+                                "): a call to one's own rank is no hop"));
+  }
+  return path;
+}
+
+}  // namespace
+
+PlanKind plan_kind_from_name(const std::string& name) {
+  for (PlanKind k : {PlanKind::kSimple, PlanKind::kInterleaved, PlanKind::k1F1B,
+                     PlanKind::kZeroBubble})
+    if (name == plan_kind_name(k)) return k;
+  throw ConfigError(str_cat("smp: config 'pipeline'='", name,
+                            "' is not one of {interleaved, simple, 1f1b, zero_bubble}"));
+}
+
+const char* plan_kind_name(PlanKind kind) {
+  switch (kind) {
+    case PlanKind::kSimple: return "simple";
+    case PlanKind::kInterleaved: return "interleaved";
+    case PlanKind::k1F1B: return "1f1b";
+    case PlanKind::kZeroBubble: return "zero_bubble";
+  }
+  return "?";
+}
+
+std::string Action::str(bool with_hop) const {
+  if (op == Op::kReduce) return "R";
+  std::string s = str_cat(op_code(op), mb);
+  if (with_hop) s += str_cat(".h", hop);
+  if (op == Op::kSendForward || op == Op::kSendBackward) s += str_cat(">", peer);
+  if (op == Op::kRecvForward || op == Op::kRecvBackward) s += str_cat("<", peer);
+  return s;
+}
+
+Plan::Plan(PlanOptions options, std::vector<int64_t> path,
+           std::vector<std::vector<Action>> compute)
+    : options_(std::move(options)), path_(std::move(path)), compute_(std::move(compute)) {}
+
+Plan Plan::from_lists(PlanOptions options, std::vector<std::vector<Action>> compute) {
+  check_options(options);
+  auto path = resolve_path(options);
+  if (static_cast<int64_t>(compute.size()) != options.stages)
+    throw ConfigError(str_cat("smp: a plan needs one list per pp rank: got ", compute.size(),
+                              " for ", options.stages));
+  return Plan(std::move(options), std::move(path), std::move(compute));
+}
+
+int64_t Plan::window() const {
+  const auto& o = options_;
+  switch (o.kind) {
+    case PlanKind::kSimple: return o.microbatches;
+    case PlanKind::kInterleaved: return std::min(o.active_microbatches, o.microbatches);
+    case PlanKind::k1F1B:
+    case PlanKind::kZeroBubble: return std::min(o.stages, o.microbatches);
+  }
+  return o.microbatches;
+}
+
+bool Plan::hop_labels() const {
+  std::vector<int> visits(options_.stages, 0);
+  for (int64_t r : path_)
+    if (++visits[r] > 1) return true;
+  return false;
+}
+
+// Note [Plan rules]: list scheduling. Time runs in cost units; whenever a rank is
+// free it starts, of its actions whose dependencies are done, the one with the
+// smallest rule key. The driver starts microbatches in order and only while fewer
+// than window() are in flight (a microbatch leaves when its backward is back at hop 0).
+Plan Plan::compile(PlanOptions options) {
+  check_options(options);
+  const auto path = resolve_path(options);
+  const int64_t m = options.microbatches, hops = static_cast<int64_t>(path.size());
+  const int64_t ranks = options.stages;
+  const bool zb = options.kind == PlanKind::kZeroBubble;
+  const bool simple = options.kind == PlanKind::kSimple;
+  Plan plan(options, path, std::vector<std::vector<Action>>(ranks));
+  const int64_t window = plan.window();
+
+  // Every compute action not yet started, per rank.
+  std::vector<std::vector<Action>> pending(ranks);
+  for (int64_t mb = 0; mb < m; ++mb)
+    for (int64_t h = 0; h < hops; ++h) {
+      pending[path[h]].push_back({Op::kForward, mb, h});
+      if (zb) {
+        pending[path[h]].push_back({Op::kBackwardInput, mb, h});
+        pending[path[h]].push_back({Op::kBackwardWeight, mb, h});
+      } else {
+        pending[path[h]].push_back({Op::kBackward, mb, h});
+      }
+    }
+  // 1F1B's bound: hop h holds at most hops - h microbatches (pp rank s of a linear
+  // path: S - s), so a rank runs a backward before it takes more forwards.
+  const bool bounded = options.kind == PlanKind::k1F1B || options.kind == PlanKind::kZeroBubble;
+  std::vector<int64_t> held(hops, 0);  // per hop: forward begun, backward not done
+  Done done(m, hops);
+  std::vector<int64_t> busy_until(ranks, 0);
+  std::vector<std::pair<int64_t, Action>> running;  // (finish, action)
+  int64_t started = 0, left = 0, t = 0;
+  for (const auto& p : pending) left += static_cast<int64_t>(p.size());
+
+  while (left > 0) {
+    // Finish what ends by now.
+    for (auto it = running.begin(); it != running.end();) {
+      if (it->first <= t) {
+        done.finish(it->second, it->first, hops);
+        it = running.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    int64_t back = 0;  // microbatches whose backward is back at hop 0
+    for (int64_t mb = 0; mb < m; ++mb) back += done.b[mb][0] <= t;
+    bool started_any = false;
+    for (int64_t r = 0; r < ranks; ++r) {
+      if (busy_until[r] > t) continue;
+      auto best = pending[r].end();
+      for (auto it = pending[r].begin(); it != pending[r].end(); ++it) {
+        if (ready_at(*it, done, hops, simple) > t) continue;
+        if (it->op == Op::kForward && it->hop == 0 &&
+            (it->mb != started || started - back >= window))
+          continue;
+        if (bounded && it->op == Op::kForward && held[it->hop] >= hops - it->hop) continue;
+        if (best == pending[r].end() || rule_key(options.kind, *it) < rule_key(options.kind, *best))
+          best = it;
+      }
+      if (best == pending[r].end()) continue;
+      const Action a = *best;
+      pending[r].erase(best);
+      --left;
+      if (a.op == Op::kForward && a.hop == 0) ++started;
+      if (a.op == Op::kForward) ++held[a.hop];
+      if (is_backward_input(a.op)) --held[a.hop];  // its activations are free once I runs
+      plan.compute_[r].push_back(a);
+      busy_until[r] = t + cost_of(a, options.costs);
+      running.emplace_back(busy_until[r], a);
+      started_any = true;
+    }
+    if (running.empty() && !started_any && left > 0) {
+      std::string waiting;
+      for (int64_t r = 0; r < ranks; ++r)
+        for (const auto& a : pending[r])
+          waiting += str_cat(waiting.empty() ? "" : ", ", a.str(true), " on pp rank ", r);
+      throw std::logic_error(str_cat("smp: plan ", plan_kind_name(options.kind),
+                                     " deadlocks: no pp rank can run; waiting: ", waiting));
+    }
+    int64_t next = kNever;
+    for (const auto& [finish, a] : running) next = std::min(next, finish);
+    t = next == kNever ? t + 1 : next;
+  }
+  return plan;
+}
+
+std::vector<std::vector<Action>> Plan::lowered() const {
+  const int64_t hops = static_cast<int64_t>(path_.size());
+  std::vector<std::vector<Action>> out(compute_.size());
+  for (size_t r = 0; r < compute_.size(); ++r) {
+    const auto rank = static_cast<int64_t>(r);
+    auto& list = out[r];
+    for (const Action& a : compute_[r]) {
+      if (a.op == Op::kForward && a.hop > 0 && path_[a.hop - 1] != rank)
+        list.push_back({Op::kRecvForward, a.mb, a.hop, path_[a.hop - 1]});
+      if (is_backward_input(a.op) && a.hop < hops - 1 && path_[a.hop + 1] != rank)
+        list.push_back({Op::kRecvBackward, a.mb, a.hop, path_[a.hop + 1]});
+      list.push_back(a);
+      if (a.op == Op::kForward && a.hop < hops - 1 && path_[a.hop + 1] != rank)
+        list.push_back({Op::kSendForward, a.mb, a.hop, path_[a.hop + 1]});
+      if (is_backward_input(a.op) && a.hop > 0 && path_[a.hop - 1] != rank)
+        list.push_back({Op::kSendBackward, a.mb, a.hop, path_[a.hop - 1]});
+    }
+    list.push_back({Op::kReduce, -1, -1, -1});
+  }
+  return out;
+}
+
+Plan::Timing Plan::simulate() const {
+  const int64_t m = options_.microbatches, hops = static_cast<int64_t>(path_.size());
+  const int64_t ranks = options_.stages;
+  const bool simple = options_.kind == PlanKind::kSimple;
+  Done done(m, hops);
+  std::vector<size_t> cursor(ranks, 0);
+  std::vector<int64_t> busy_until(ranks, 0);
+  std::vector<std::pair<int64_t, Action>> running;
+  Timing timing;
+  timing.busy.assign(ranks, 0);
+  timing.timeline.assign(ranks, {});
+  const Action idle{Op::kReduce, -1, -1, -1};
+  int64_t t = 0;
+  auto all_done = [&] {
+    for (int64_t r = 0; r < ranks; ++r)
+      if (cursor[r] < compute_[r].size()) return false;
+    return running.empty();
+  };
+  while (!all_done()) {
+    for (auto it = running.begin(); it != running.end();) {
+      if (it->first <= t) {
+        done.finish(it->second, it->first, hops);
+        it = running.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (all_done()) break;
+    bool started_any = false;
+    for (int64_t r = 0; r < ranks; ++r) {
+      if (busy_until[r] > t || cursor[r] >= compute_[r].size()) continue;
+      const Action& a = compute_[r][cursor[r]];
+      if (ready_at(a, done, hops, simple) > t) continue;
+      const int64_t c = cost_of(a, options_.costs);
+      ++cursor[r];
+      busy_until[r] = t + c;
+      timing.busy[r] += c;
+      running.emplace_back(t + c, a);
+      auto& row = timing.timeline[r];
+      row.resize(static_cast<size_t>(t), idle);
+      row.insert(row.end(), static_cast<size_t>(c), a);
+      started_any = true;
+    }
+    if (running.empty() && !started_any) {
+      std::string heads;
+      for (int64_t r = 0; r < ranks; ++r) {
+        if (cursor[r] >= compute_[r].size()) continue;
+        const Action& a = compute_[r][cursor[r]];
+        heads += str_cat(heads.empty() ? "" : "; ", "pp rank ", r, " at ", a.str(true),
+                         " waits for ", awaited(a, done, hops, simple));
+      }
+      throw std::logic_error(str_cat("smp: plan deadlocks: ", heads));
+    }
+    int64_t next = kNever;
+    for (const auto& [finish, a] : running) next = std::min(next, finish);
+    if (next != kNever) t = next;
+  }
+  for (const auto& b : busy_until) timing.makespan = std::max(timing.makespan, b);
+  int64_t busy = 0;
+  for (int64_t r = 0; r < ranks; ++r) {
+    busy += timing.busy[r];
+    timing.timeline[r].resize(static_cast<size_t>(timing.makespan), idle);
+  }
+  if (timing.makespan > 0)
+    timing.bubble_fraction =
+        1.0 - static_cast<double>(busy) / static_cast<double>(timing.makespan * ranks);
+  return timing;
+}
+
+void Plan::validate() const {
+  const int64_t m = options_.microbatches, hops = static_cast<int64_t>(path_.size());
+  const bool zb = options_.kind == PlanKind::kZeroBubble;
+  // Each action once, on the rank its hop runs on.
+  std::map<std::tuple<int, int64_t, int64_t>, int> seen;
+  for (size_t r = 0; r < compute_.size(); ++r)
+    for (const Action& a : compute_[r]) {
+      if (!is_compute(a.op))
+        throw std::logic_error(str_cat("smp: plan: ", a.str(), " on pp rank ", r,
+                                       " is no compute action (lists hold F, B, I, W)"));
+      if (a.mb < 0 || a.mb >= m || a.hop < 0 || a.hop >= hops)
+        throw std::logic_error(str_cat("smp: plan: ", a.str(true), " on pp rank ", r,
+                                       " is outside the step (", m, " microbatches, ", hops,
+                                       " hops)"));
+      if (zb ? a.op == Op::kBackward
+             : a.op == Op::kBackwardInput || a.op == Op::kBackwardWeight)
+        throw std::logic_error(str_cat("smp: plan: ", a.str(true), " on pp rank ", r, ": ",
+                                       plan_kind_name(options_.kind), " runs ",
+                                       zb ? "I and W, not B" : "B, not I and W"));
+      if (path_[a.hop] != static_cast<int64_t>(r))
+        throw std::logic_error(str_cat("smp: plan: ", a.str(true), " is on pp rank ", r,
+                                       " but hop ", a.hop, " runs on pp rank ", path_[a.hop]));
+      if (++seen[{static_cast<int>(a.op), a.mb, a.hop}] > 1)
+        throw std::logic_error(str_cat("smp: plan: ", a.str(true), " runs twice on pp rank ", r));
+    }
+  for (int64_t mb = 0; mb < m; ++mb)
+    for (int64_t h = 0; h < hops; ++h)
+      for (Op op : zb ? std::vector<Op>{Op::kForward, Op::kBackwardInput, Op::kBackwardWeight}
+                      : std::vector<Op>{Op::kForward, Op::kBackward})
+        if (!seen.count({static_cast<int>(op), mb, h}))
+          throw std::logic_error(str_cat("smp: plan: ", Action{op, mb, h}.str(true),
+                                         " is missing on pp rank ", path_[h]));
+  // The driver starts microbatches in order, at most window() in flight.
+  const auto& driver = compute_[path_[0]];
+  int64_t next = 0, in_flight = 0;
+  for (const Action& a : driver) {
+    if (a.op == Op::kForward && a.hop == 0) {
+      if (a.mb != next)
+        throw std::logic_error(str_cat("smp: plan: the driver (pp rank ", path_[0], ") starts ",
+                                       a.str(), " before F", next,
+                                       ": microbatches start in order"));
+      ++next;
+      if (++in_flight > window())
+        throw std::logic_error(str_cat("smp: plan: ", in_flight, " microbatches in flight at ",
+                                       a.str(), " on the driver (pp rank ", path_[0],
+                                       "); the window is ", window()));
+    }
+    if (is_backward_input(a.op) && a.hop == 0) --in_flight;
+  }
+  simulate();  // throws on a deadlock, naming each rank's next action and its wait
+}
+
+namespace {
+
+std::string marked(const std::string& cell, bool mark) { return mark ? "[" + cell + "]" : cell; }
+
+std::string failure_line(const Action* failed, int64_t rank, bool found) {
+  if (!failed) return "";
+  return str_cat("failed: pp rank ", rank, ", ", failed->str(true),
+                 found ? "" : " (not in this plan)", "\n");
+}
+
+}  // namespace
+
+std::string Plan::format(const Action* failed, int64_t failed_rank) const {
+  const bool hop = hop_labels();
+  std::string out = str_cat("plan ", plan_kind_name(options_.kind), ", ", options_.microbatches,
+                            " microbatches, ", options_.stages, " pp ranks, window ", window(),
+                            "\n");
+  bool found = false;
+  const auto lists = lowered();
+  for (size_t r = 0; r < lists.size(); ++r) {
+    std::string line = str_cat("pp ", r, " |");
+    for (const Action& a : lists[r]) {
+      const bool mark = failed && !found && static_cast<int64_t>(r) == failed_rank &&
+                        is_compute(a.op) && a == *failed;
+      found = found || mark;
+      line += " " + marked(a.str(hop && a.op != Op::kReduce), mark);
+    }
+    out += line + "\n";
+  }
+  return out + failure_line(failed, failed_rank, found);
+}
+
+std::string Plan::timeline(const Action* failed, int64_t failed_rank) const {
+  const bool hop = hop_labels();
+  const Timing timing = simulate();
+  size_t width = 1;
+  for (const auto& row : timing.timeline)
+    for (const auto& a : row) width = std::max(width, a.mb < 0 ? 1 : a.str(hop).size());
+  width += 2;  // room for the failure mark
+  std::string out = str_cat("plan ", plan_kind_name(options_.kind), ", ", options_.microbatches,
+                            " microbatches, ", options_.stages, " pp ranks: ", timing.makespan,
+                            " slots, bubble ", static_cast<int>(timing.bubble_fraction * 100 + 0.5),
+                            "% (time runs left to right)\n");
+  bool found = false;
+  for (size_t r = 0; r < timing.timeline.size(); ++r) {
+    std::string line = str_cat("pp ", r, " |");
+    const Action* prev = nullptr;
+    for (const auto& a : timing.timeline[r]) {
+      std::string c = a.mb < 0 ? "." : a.str(hop);
+      // Mark the failing action's first slot only.
+      const bool mark = failed && !found && a.mb >= 0 && static_cast<int64_t>(r) == failed_rank &&
+                        a == *failed && !(prev && *prev == a);
+      found = found || mark;
+      c = marked(c, mark);
+      line += " " + c + std::string(width - c.size(), ' ');
+      prev = &a;
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out + failure_line(failed, failed_rank, found);
+}
+
+}  // namespace smp

@@ -1,0 +1,141 @@
+// The pipeline plan: what each pp rank runs in a step, in order, as a list of actions.
+//
+// A microbatch's forward visits the stages of its `path` in turn (hop h runs on pp rank
+// path[h]; {0, 1, 0} is a model whose middle lives on pp rank 1 and whose head is back
+// on the driver); its backward visits them in reverse. A Plan holds, per pp rank, the
+// compute actions of a step in the order that rank runs them:
+//   F  forward of (microbatch, hop)
+//   B  backward of (microbatch, hop): input and weight gradients together
+//   I  the input-gradient half of a backward (zero_bubble): what the previous hop waits for
+//   W  the weight-gradient half (zero_bubble): nobody waits for it, so it fills the bubbles
+// and lowered() adds the communication a compute action implies: a receive before it
+// (RF: activations, RB: gradients), a send after it (SF, SB), and each rank's reduction
+// of its gradient buckets (R) after its last backward work.
+//
+// Plans are compiled by list scheduling: time advances in units of work (`costs`), and
+// whenever a rank is free it starts its ready action of highest rank under the kind's
+// rule (Note [Plan rules]). validate() runs any plan, compiled or written by hand, with
+// processes modelled as cursors over the lists and says what is wrong: an action run
+// twice, missing, on the wrong rank, before what it needs (a deadlock: every rank's
+// next action waits on another's), or more microbatches in flight than the window.
+// format() prints the lists; timeline() the slots, as Schedule::grid does; both can mark
+// the action that failed.
+//
+// This is the vocabulary of torch.distributed.pipelining's _Action (F, B, I, W, sends,
+// receives) over smp's calls: a "stage" is a pp rank, and a path may visit it more than
+// once.
+//
+// Thread-safety: a Plan is immutable after compile().
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace smp {
+
+enum class PlanKind : int32_t {
+  kSimple = 0,       // GPipe: every forward, then every backward
+  kInterleaved = 1,  // SMP's: backward first, at most active_microbatches in flight
+  k1F1B = 2,         // interleaved with the window that 1F1B keeps: one per pp rank
+  kZeroBubble = 3,   // 1F1B with each backward split into I and W; W fills bubbles (ZB-H1)
+};
+
+// "simple", "interleaved", "1f1b", "zero_bubble"; throws ConfigError naming the allowed.
+PlanKind plan_kind_from_name(const std::string& name);
+const char* plan_kind_name(PlanKind kind);
+
+enum class Op : int32_t {
+  kForward = 0,
+  kBackward = 1,
+  kBackwardInput = 2,
+  kBackwardWeight = 3,
+  kSendForward = 4,
+  kRecvForward = 5,
+  kSendBackward = 6,
+  kRecvBackward = 7,
+  kReduce = 8,
+};
+
+struct Action {
+  Op op = Op::kForward;
+  int64_t mb = -1;   // -1 for kReduce
+  int64_t hop = -1;  // the hop of the microbatch's path; -1 for kReduce
+  int64_t peer = -1;  // sends and receives: the other pp rank
+  bool operator==(const Action& o) const {
+    return op == o.op && mb == o.mb && hop == o.hop && peer == o.peer;
+  }
+  // "F3", "B3", "I3", "W3", "RF3<0", "SF3>1", "R"; with ".h2" after the microbatch where
+  // the path visits the rank more than once (so the hop is not implied by the rank).
+  std::string str(bool with_hop = false) const;
+};
+
+// Relative durations of the compute actions (B = I + W; W >= 1 under zero_bubble, where
+// it is an action of its own, else >= 0).
+struct PlanCosts {
+  int64_t forward = 1;
+  int64_t input = 1;   // I
+  int64_t weight = 1;  // W
+};
+
+struct PlanOptions {
+  PlanKind kind = PlanKind::kInterleaved;
+  int64_t microbatches = 1;
+  int64_t stages = 1;               // pp ranks
+  int64_t active_microbatches = 3;  // interleaved's window
+  std::vector<int64_t> path;        // empty: 0, 1, ..., stages-1
+  PlanCosts costs;
+};
+
+class Plan {
+ public:
+  // Throws ConfigError naming the bad option, or std::logic_error if the kind's rule
+  // deadlocks on this path (naming the waiting work).
+  static Plan compile(PlanOptions options);
+  // A plan given as lists (one per pp rank), e.g. written by hand or read back; not
+  // validated until validate().
+  static Plan from_lists(PlanOptions options, std::vector<std::vector<Action>> compute);
+
+  const PlanOptions& options() const { return options_; }
+  const std::vector<int64_t>& path() const { return path_; }
+  // Per pp rank, the compute actions (F, B, I, W) in order.
+  const std::vector<std::vector<Action>>& compute() const { return compute_; }
+  // Per pp rank, every action: compute, sends, receives and the final reduction.
+  std::vector<std::vector<Action>> lowered() const;
+  // Microbatches the driver (path[0]) may hold in flight: forward begun, backward not
+  // yet back at hop 0.
+  int64_t window() const;
+
+  // Throws std::logic_error saying what is wrong (see the file comment).
+  void validate() const;
+
+  // Runs the lists with the costs, each rank in its order, each action when what it
+  // needs is done: the slots every rank spends, per rank, and the bubble fraction
+  // (idle slots over all slots up to the makespan). Throws std::logic_error on a
+  // deadlock.
+  struct Timing {
+    int64_t makespan = 0;
+    std::vector<int64_t> busy;  // per rank
+    double bubble_fraction = 0;
+    // timeline[rank][slot]: the action running, or op kReduce with mb -1 for idle.
+    std::vector<std::vector<Action>> timeline;
+  };
+  Timing simulate() const;
+
+  // One line per pp rank with its lowered actions ("pp 1 | RF0<0 F0 SF0>0 ..."); with
+  // `failed`, the first compute action equal to it on `failed_rank` is shown as
+  // "[F3]" and a line below says what failed.
+  std::string format(const Action* failed = nullptr, int64_t failed_rank = -1) const;
+  // The slots as a grid (compute only; "." idle), one row per pp rank.
+  std::string timeline(const Action* failed = nullptr, int64_t failed_rank = -1) const;
+
+ private:
+  Plan(PlanOptions options, std::vector<int64_t> path, std::vector<std::vector<Action>> compute);
+  bool hop_labels() const;  // some rank is visited more than once
+
+  PlanOptions options_;
+  std::vector<int64_t> path_;
+  std::vector<std::vector<Action>> compute_;
+};
+
+}  // namespace smp

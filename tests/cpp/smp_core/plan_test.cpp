@@ -1,0 +1,274 @@
+// The pipeline plans as data: compiled, lowered, validated and run without processes.
+#include "smp_core/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <stdexcept>
+
+#include "smp_core/errors.h"
+#include "smp_core/scheduler.h"
+
+namespace smp {
+namespace {
+
+PlanOptions opts(PlanKind kind, int64_t mb, int64_t stages, std::vector<int64_t> path = {},
+                 int64_t active = 3) {
+  PlanOptions o;
+  o.kind = kind;
+  o.microbatches = mb;
+  o.stages = stages;
+  o.active_microbatches = active;
+  o.path = std::move(path);
+  return o;
+}
+
+const std::vector<PlanKind> kKinds = {PlanKind::kSimple, PlanKind::kInterleaved, PlanKind::k1F1B,
+                                      PlanKind::kZeroBubble};
+
+// Microbatches the rank holds activations of after each of its actions: forward begun
+// on one of its hops, backward (B or I) of the microbatch not yet back through it.
+int64_t peak_in_flight(const Plan& plan, int64_t rank) {
+  std::map<int64_t, int64_t> open;  // mb -> hops with activations held
+  int64_t peak = 0;
+  for (const Action& a : plan.compute()[rank]) {
+    if (a.op == Op::kForward) open[a.mb]++;
+    if (a.op == Op::kBackward || a.op == Op::kBackwardInput)
+      if (--open[a.mb] == 0) open.erase(a.mb);
+    peak = std::max<int64_t>(peak, static_cast<int64_t>(open.size()));
+  }
+  return peak;
+}
+
+TEST(Plan, KindNames) {
+  for (PlanKind k : kKinds) EXPECT_EQ(plan_kind_from_name(plan_kind_name(k)), k);
+  try {
+    plan_kind_from_name("gpipe");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(),
+                 "smp: config 'pipeline'='gpipe' is not one of {interleaved, simple, 1f1b, "
+                 "zero_bubble}");
+  }
+}
+
+TEST(Plan, BadOptionsNameTheSetting) {
+  EXPECT_THROW(Plan::compile(opts(PlanKind::k1F1B, 0, 2)), ConfigError);
+  EXPECT_THROW(Plan::compile(opts(PlanKind::k1F1B, 2, 0)), ConfigError);
+  try {
+    Plan::compile(opts(PlanKind::k1F1B, 2, 2, {0, 2}));
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("visits pp rank 2 at hop 1; allowed: 0 .. 1"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Plan::compile(opts(PlanKind::k1F1B, 2, 2, {0, 1, 1})), ConfigError);
+}
+
+// Every compiled plan of every kind, on linear and nested paths, is valid: each action
+// once on its rank, dependencies kept, no deadlock, the window kept.
+TEST(Plan, EveryCompiledPlanValidates) {
+  const std::vector<std::vector<int64_t>> paths = {{}, {0, 1, 0}, {0, 1, 2, 1, 0}};
+  for (PlanKind kind : kKinds)
+    for (int64_t stages : {1, 2, 3, 4})
+      for (int64_t mb : {1, 2, 3, 8})
+        for (const auto& path : paths) {
+          bool fits = true;
+          for (int64_t r : path) fits = fits && r < stages;
+          if (!fits || (stages == 1 && !path.empty())) continue;
+          Plan plan = Plan::compile(opts(kind, mb, stages, path, 2));
+          SCOPED_TRACE(plan.format());
+          EXPECT_NO_THROW(plan.validate());
+          int64_t hops = static_cast<int64_t>(plan.path().size());
+          size_t actions = 0;
+          for (const auto& l : plan.compute()) actions += l.size();
+          EXPECT_EQ(actions, static_cast<size_t>(
+                                 mb * hops * (kind == PlanKind::kZeroBubble ? 3 : 2)));
+          EXPECT_LE(peak_in_flight(plan, plan.path()[0]), plan.window());
+        }
+}
+
+// "interleaved" as a plan is the order the runtime's rule (smp_core/scheduler.h) runs:
+// two implementations of Note [Plan rules], with a backward costing one slot.
+TEST(Plan, InterleavedAndSimpleMatchTheRuntimeRule) {
+  for (auto [kind, skind] : {std::pair{PlanKind::kInterleaved, ScheduleKind::kInterleaved},
+                             std::pair{PlanKind::kSimple, ScheduleKind::kSimple}})
+    for (int64_t stages : {2, 3, 4})
+      for (int64_t mb : {1, 4, 8})
+        for (int64_t active : {1, 2, 3}) {
+          PlanOptions o = opts(kind, mb, stages, {}, active);
+          o.costs = {1, 1, 0};
+          Plan plan = Plan::compile(o);
+          auto grid = Schedule(ScheduleOptions{skind, mb, stages, active}).plan();
+          for (int64_t r = 0; r < stages; ++r) {
+            std::vector<Action> expected;
+            for (const Work& w : grid[r])
+              if (w.mb >= 0)
+                expected.push_back(
+                    {w.phase == Phase::kForward ? Op::kForward : Op::kBackward, w.mb, w.hop});
+            EXPECT_EQ(plan.compute()[r], expected) << plan.format();
+          }
+        }
+}
+
+TEST(Plan, SimpleRunsEveryForwardBeforeAnyBackward) {
+  Plan plan = Plan::compile(opts(PlanKind::kSimple, 5, 3));
+  for (const auto& list : plan.compute()) {
+    bool backward = false;
+    for (const Action& a : list) {
+      if (a.op == Op::kBackward) backward = true;
+      else EXPECT_FALSE(backward) << plan.format();
+    }
+  }
+  EXPECT_EQ(plan.window(), 5);
+}
+
+// The defining shape of 1F1B (Narayanan et al., PipeDream-Flush): pp rank s runs
+// min(S - s, M) forwards, then alternates one backward and one forward while forwards
+// are left, then the remaining backwards; so it holds at most S - s microbatches.
+TEST(Plan, OneFOneBHasWarmupSteadyStateAndCooldown) {
+  for (int64_t stages : {2, 3, 4})
+    for (int64_t mb : {1, 2, 4, 8, 9}) {
+      Plan plan = Plan::compile(opts(PlanKind::k1F1B, mb, stages));
+      SCOPED_TRACE(plan.format());
+      EXPECT_EQ(plan.window(), std::min(stages, mb));
+      for (int64_t s = 0; s < stages; ++s) {
+        const auto& list = plan.compute()[s];
+        const int64_t warmup = std::min(stages - s, mb);
+        std::string shape;
+        for (const Action& a : list) shape += a.op == Op::kForward ? "F" : "B";
+        std::string expected(static_cast<size_t>(warmup), 'F');
+        for (int64_t i = warmup; i < mb; ++i) expected += "BF";
+        expected += std::string(static_cast<size_t>(warmup), 'B');
+        EXPECT_EQ(shape, expected) << "pp rank " << s;
+        EXPECT_LE(peak_in_flight(plan, s), stages - s);
+        // Microbatches in order within each phase.
+        int64_t f = 0, b = 0;
+        for (const Action& a : list) EXPECT_EQ(a.mb, a.op == Op::kForward ? f++ : b++);
+      }
+    }
+}
+
+// Zero bubble (ZB-H1, Qi et al.): splitting each backward into I and W lets W fill the
+// slots 1F1B leaves idle, with the same activations held.
+TEST(Plan, ZeroBubbleHasLessBubbleThanOneFOneB) {
+  for (int64_t stages : {2, 4})
+    for (int64_t mb : {4, 8, 16}) {
+      PlanOptions o = opts(PlanKind::k1F1B, mb, stages);
+      Plan ofob = Plan::compile(o);
+      o.kind = PlanKind::kZeroBubble;
+      Plan zb = Plan::compile(o);
+      auto t1 = ofob.simulate(), tz = zb.simulate();
+      SCOPED_TRACE(zb.timeline());
+      EXPECT_LT(tz.bubble_fraction, t1.bubble_fraction);
+      EXPECT_LT(tz.makespan, t1.makespan);
+      for (int64_t s = 0; s < stages; ++s) {
+        EXPECT_EQ(tz.busy[s], t1.busy[s]);  // the same work, less idle
+        EXPECT_LE(peak_in_flight(zb, s), stages - s);
+      }
+      // W only after its I, on the same rank.
+      for (const auto& list : zb.compute()) {
+        std::set<std::pair<int64_t, int64_t>> inputs;
+        for (const Action& a : list) {
+          if (a.op == Op::kBackwardInput) inputs.insert({a.mb, a.hop});
+          if (a.op == Op::kBackwardWeight) EXPECT_TRUE(inputs.count({a.mb, a.hop}));
+        }
+      }
+    }
+}
+
+TEST(Plan, LoweredSendsMeetReceives) {
+  for (PlanKind kind : kKinds)
+    for (const std::vector<int64_t>& path :
+         {std::vector<int64_t>{}, std::vector<int64_t>{0, 1, 2, 1, 0}}) {
+      Plan plan = Plan::compile(opts(kind, 4, 3, path));
+      auto lists = plan.lowered();
+      std::multiset<std::tuple<int, int64_t, int64_t, int64_t, int64_t>> sends, recvs;
+      for (size_t r = 0; r < lists.size(); ++r) {
+        ASSERT_FALSE(lists[r].empty());
+        EXPECT_EQ(lists[r].back().op, Op::kReduce);
+        for (size_t i = 0; i < lists[r].size(); ++i) {
+          const Action& a = lists[r][i];
+          const auto rank = static_cast<int64_t>(r);
+          if (a.op == Op::kSendForward) sends.insert({0, a.mb, a.hop + 1, rank, a.peer});
+          if (a.op == Op::kRecvForward) recvs.insert({0, a.mb, a.hop, a.peer, rank});
+          if (a.op == Op::kSendBackward) sends.insert({1, a.mb, a.hop - 1, rank, a.peer});
+          if (a.op == Op::kRecvBackward) recvs.insert({1, a.mb, a.hop, a.peer, rank});
+          // A receive comes right before the compute it feeds.
+          if (a.op == Op::kRecvForward || a.op == Op::kRecvBackward) {
+            ASSERT_LT(i + 1, lists[r].size());
+            EXPECT_EQ(lists[r][i + 1].mb, a.mb);
+            EXPECT_EQ(lists[r][i + 1].hop, a.hop);
+          }
+        }
+      }
+      EXPECT_EQ(sends, recvs) << plan.format();
+      EXPECT_EQ(sends.size(), static_cast<size_t>(4 * 2 * (plan.path().size() - 1)));
+    }
+}
+
+PlanOptions two_stage_one_mb() { return opts(PlanKind::k1F1B, 1, 2); }
+
+std::string validate_error(const Plan& plan) {
+  try {
+    plan.validate();
+  } catch (const std::logic_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Plan, ValidateNamesWhatIsWrong) {
+  const Action f0{Op::kForward, 0, 0}, f1{Op::kForward, 0, 1};
+  const Action b0{Op::kBackward, 0, 0}, b1{Op::kBackward, 0, 1};
+  auto from = [](std::vector<std::vector<Action>> l, PlanOptions o = two_stage_one_mb()) {
+    return Plan::from_lists(o, std::move(l));
+  };
+  EXPECT_EQ(validate_error(from({{f0, b0}, {f1, b1}})), "");
+  EXPECT_EQ(validate_error(from({{f0, b0}, {f1, b1, b1}})),
+            "smp: plan: B0.h1 runs twice on pp rank 1");
+  EXPECT_EQ(validate_error(from({{f0, b0}, {f1}})), "smp: plan: B0.h1 is missing on pp rank 1");
+  EXPECT_EQ(validate_error(from({{f0, b0, b1}, {f1}})),
+            "smp: plan: B0.h1 is on pp rank 0 but hop 1 runs on pp rank 1");
+  EXPECT_EQ(validate_error(from({{f0, Action{Op::kBackwardInput, 0, 0}}, {f1, b1}})),
+            "smp: plan: I0.h0 on pp rank 0: 1f1b runs B, not I and W");
+  // A backward listed before the forward it follows: every rank waits on the other.
+  EXPECT_EQ(validate_error(from({{b0, f0}, {f1, b1}})),
+            "smp: plan deadlocks: pp rank 0 at B0.h0 waits for B/I0 hop 1; pp rank 1 at F0.h1 "
+            "waits for F0 hop 0");
+  // Microbatches start in order, within the window.
+  PlanOptions two = opts(PlanKind::k1F1B, 2, 2);
+  const Action g0{Op::kForward, 1, 0}, g1{Op::kForward, 1, 1};
+  const Action c0{Op::kBackward, 1, 0}, c1{Op::kBackward, 1, 1};
+  EXPECT_EQ(validate_error(from({{g0, f0, b0, c0}, {f1, g1, b1, c1}}, two)),
+            "smp: plan: the driver (pp rank 0) starts F1 before F0: microbatches start in order");
+  two.kind = PlanKind::kInterleaved;
+  two.active_microbatches = 1;
+  EXPECT_EQ(validate_error(from({{f0, g0, b0, c0}, {f1, g1, b1, c1}}, two)),
+            "smp: plan: 2 microbatches in flight at F1 on the driver (pp rank 0); the window is 1");
+  EXPECT_EQ(validate_error(from({{f0, b0, g0, c0}, {f1, b1, g1, c1}}, two)), "");
+}
+
+TEST(Plan, FormatAndTimelineMarkTheFailedAction) {
+  Plan plan = Plan::compile(opts(PlanKind::k1F1B, 2, 2));
+  EXPECT_EQ(plan.format(),
+            "plan 1f1b, 2 microbatches, 2 pp ranks, window 2\n"
+            "pp 0 | F0 SF0>1 F1 SF1>1 RB0<1 B0 RB1<1 B1 R\n"
+            "pp 1 | RF0<0 F0 B0 SB0>0 RF1<0 F1 B1 SB1>0 R\n");
+  const Action failed{Op::kBackward, 1, 1};
+  const std::string text = plan.format(&failed, 1);
+  EXPECT_NE(text.find("RF1<0 F1 [B1] SB1>0"), std::string::npos) << text;
+  EXPECT_NE(text.find("failed: pp rank 1, B1.h1\n"), std::string::npos) << text;
+  const std::string grid = plan.timeline(&failed, 1);
+  EXPECT_NE(grid.find("[B1]"), std::string::npos) << grid;
+  EXPECT_EQ(grid.find("[B1]"), grid.rfind("[B1]")) << "marked once: " << grid;
+  const Action absent{Op::kForward, 7, 0};
+  EXPECT_NE(plan.format(&absent, 0).find("(not in this plan)"), std::string::npos);
+  // A path that visits a rank twice labels hops.
+  Plan nested = Plan::compile(opts(PlanKind::k1F1B, 1, 2, {0, 1, 0}));
+  EXPECT_NE(nested.format().find("F0.h2"), std::string::npos) << nested.format();
+}
+
+}  // namespace
+}  // namespace smp

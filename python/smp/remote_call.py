@@ -7,6 +7,7 @@ import pickle
 import torch
 
 from smp import _C
+from smp.memo import Memo
 from smp.nested import TensorSlot, flatten
 from smp.task import current as _task
 from smp.timeline import timeline
@@ -17,7 +18,13 @@ K = _C.MsgKind
 
 
 _ANCHOR = None
-_DECODED = {}
+
+# What repeats every microbatch and every step, memoized (smp/memo.py): decoded
+# metadata, request plans, the metadata of positional requests and of gradient flags.
+_DECODED = Memo()
+_PLANS = Memo()
+_REQUESTS = Memo()
+_PRESENT = Memo()
 
 
 _SCALARS = (int, float, complex, bool, str, bytes, type(None), TensorSlot, torch.dtype,
@@ -38,24 +45,18 @@ def request_plan(meta):
     """A REQUEST's decoded metadata (module name, argument skeleton, which inputs
     require grad, grad mode, mode flags) and whether the arguments are just the tensors,
     positionally (then the owner calls the module with them as they are), cached."""
-    plan = _PLANS.get(meta)
-    if plan is None:
-        name, skeleton, requires_grad, grad, flags = decode(meta)
-        args, kwargs = skeleton
-        positional = not kwargs and type(args) is tuple and all(
-            type(a) is TensorSlot and a.index == i for i, a in enumerate(args))
-        plan = (name, skeleton, requires_grad, grad, flags, positional)
-        if meta in _DECODED and len(_PLANS) < 4096:
-            _PLANS[meta] = plan
-    return plan
+    return _PLANS.get(meta, lambda: _plan(meta), keep=lambda _: meta in _DECODED)
 
 
-_PLANS = {}
+def _plan(meta):
+    name, skeleton, requires_grad, grad, flags = decode(meta)
+    args, kwargs = skeleton
+    positional = not kwargs and type(args) is tuple and all(
+        type(a) is TensorSlot and a.index == i for i, a in enumerate(args))
+    return (name, skeleton, requires_grad, grad, flags, positional)
+
+
 _ONE_TENSOR = {rg: pickle.dumps((TensorSlot(0), [rg])) for rg in (False, True)}
-_PRESENT = {}
-
-
-_REQUESTS = {}
 
 
 def encode_request(name, args, kwargs, tensors, grad, flags):
@@ -66,13 +67,9 @@ def encode_request(name, args, kwargs, tensors, grad, flags):
             and len({id(a) for a in args}) == len(args)):  # no tensor passed twice
         tensors.extend(args)
         key = (name, tuple(t.requires_grad for t in args), grad, flags)
-        meta = _REQUESTS.get(key)
-        if meta is None:
-            skeleton = (tuple(TensorSlot(i) for i in range(len(args))), {})
-            meta = pickle.dumps((name, skeleton, list(key[1]), grad, flags))
-            if len(_REQUESTS) < 4096:
-                _REQUESTS[key] = meta
-        return meta
+        return _REQUESTS.get(key, lambda: pickle.dumps(
+            (name, (tuple(TensorSlot(i) for i in range(len(args))), {}), list(key[1]), grad,
+             flags)))
     skeleton = flatten((args, kwargs), tensors)
     return pickle.dumps((name, skeleton, [t.requires_grad for t in tensors], grad, flags))
 
@@ -88,24 +85,14 @@ def encode_outputs(out, outs):
 
 def encode_present(present):
     """Metadata of which gradients a BACKWARD message carries (a tuple of bools)."""
-    meta = _PRESENT.get(present)
-    if meta is None:
-        meta = pickle.dumps(list(present))
-        if len(_PRESENT) < 4096:
-            _PRESENT[present] = meta
-    return meta
+    return _PRESENT.get(present, lambda: pickle.dumps(list(present)))
 
 
 def decode(meta):
     """pickle.loads of a message's metadata, cached: a call's metadata (module name,
     argument structure, flags) repeats every microbatch and every step. Only values made
     of immutable scalars are cached (a fresh object each time otherwise)."""
-    value = _DECODED.get(meta)
-    if value is None:
-        value = pickle.loads(meta)
-        if len(_DECODED) < 4096 and _shareable(value):
-            _DECODED[meta] = value
-    return value
+    return _DECODED.get(meta, lambda: pickle.loads(meta), keep=_shareable)
 
 
 def anchor():

@@ -1,11 +1,17 @@
-"""Agreement between ranks before the first collective that could abort or hang.
+"""Agreement between ranks: every rank raises the same error, or none does.
 
-A model that differs between dp replicas makes Gloo abort the process in the first
-broadcast (a size mismatch inside a collective); one that differs between pp ranks
-makes the ranks disagree about who owns what. So the first step starts with one
-allgather over the world of each rank's model signature (and of any error it already
-has, such as a bad input); every rank then computes the same verdict from the same
-list and raises the same error, naming the tensor, the shapes and the ranks.
+`agree` is the one implementation of "raise the same error on every rank": each rank
+contributes its error (or None) to one allgather, and every rank computes the same
+verdict from the same list. A rank that raised alone would leave its peers waiting in
+their next collective until the timeout, or make Gloo abort them.
+
+The first step uses it before the first collective that could abort or hang: a model
+that differs between dp replicas makes Gloo abort the process in the first broadcast
+(a size mismatch inside a collective); one that differs between pp ranks makes the
+ranks disagree about who owns what. So the first step starts with one allgather over
+the world of each rank's model signature (and of any error it already has, such as a
+bad input), and every rank raises the same error, naming the tensor, the shapes and
+the ranks.
 """
 import hashlib
 import random
@@ -69,6 +75,54 @@ def error_of(exc):
     return None if exc is None else (type(exc).__name__, str(exc))
 
 
+def agree(error, group, verdict, value=None, own_first=False):
+    """Raises an error on every rank of `group` if any rank has one; else returns every
+    rank's `value`. Collective over `group`: every member must call it.
+
+    One allgather of (value, error) over `group`; a group of one rank (or smp not
+    initialized) gathers nothing. Every rank then derives its exception from the same
+    list, so the text is the same everywhere (with own_first, except on a failing rank).
+
+    Args:
+        error: this rank's exception, or None.
+        group: a core.CommGroup.
+        verdict: callable(failures, size) -> the exception every rank raises, where
+            `failures` is [(group rank, kind, text)] of each failing rank in group-rank
+            order and `size` the number of ranks that took part.
+        value: what else this rank contributes (picklable).
+        own_first: a failing rank raises its own exception object (its traceback
+            intact); only the ranks without an error raise the verdict.
+
+    Returns:
+        [value of each group rank], in group-rank order.
+
+    Raises:
+        The verdict's exception (or, with own_first, this rank's `error`) on every rank
+        when any rank has an error.
+    """
+    mine = (value, error_of(error))
+    if core.is_initialized() and len(core._members(group)) > 1:
+        everyone = core.allgather(mine, group)
+    else:
+        everyone = [mine]
+    failures = [(r, e[0], e[1]) for r, (_, e) in enumerate(everyone) if e is not None]
+    if failures:
+        if own_first and error is not None:
+            raise error
+        raise verdict(failures, len(everyone))
+    return [v for v, _ in everyone]
+
+
+def first_error(what):
+    """The verdict of `agree` that raises the lowest failing rank's error, as a
+    ConfigError (for a ValueError) or a RuntimeError, naming that rank and `what`."""
+    def verdict(failures, size):
+        r, kind, text = failures[0]
+        cls = core.ConfigError if kind in ("ConfigError", "ValueError") else RuntimeError
+        return cls(f"{text} (rank {r}, in {what}; raised on every rank)")
+    return verdict
+
+
 def agree_on_first_step(module, error=None):
     """World allgather of (signature digest, error); raises the same error on every rank.
 
@@ -81,21 +135,11 @@ def agree_on_first_step(module, error=None):
         rank's message, or ModelMismatchError, on every rank.
     """
     sig = signature(module)
-    everyone = core.allgather((_digest(sig), error_of(error)), core.CommGroup.WORLD)
-    raise_first_error([e for _, e in everyone], "the first step")
-    if len({d for d, _ in everyone}) > 1:
+    digests = agree(error, core.CommGroup.WORLD, first_error("the first step"),
+                    value=_digest(sig))
+    if len(set(digests)) > 1:
         sigs = core.allgather(sig, core.CommGroup.WORLD)
         raise ModelMismatchError(describe_mismatch(sigs))
-
-
-def raise_first_error(errors, what):
-    """Raises on every rank the first rank's error of a list gathered from every rank."""
-    for r, e in enumerate(errors):
-        if e is None:
-            continue
-        kind, text = e
-        cls = core.ConfigError if kind in ("ConfigError", "ValueError") else RuntimeError
-        raise cls(f"{text} (rank {r}, in {what}; raised on every rank)")
 
 
 def snapshot_side_effects(module):

@@ -38,12 +38,11 @@ class PipelineMixin:
             self._in_step = False
             restore()
         mine = trace.nodes() if error is None else None
-        everyone = core.allgather((mine, agreement.error_of(error)), core.CommGroup.WORLD)
-        if error is not None:
-            raise error
-        agreement.raise_first_error([e for _, e in everyone], "tracing the model")
+        everyone = agreement.agree(error, core.CommGroup.WORLD,
+                                   agreement.first_error("tracing the model"), value=mine,
+                                   own_first=True)
         # pp rank 0's measurements decide (times differ between ranks).
-        ref = everyone[core.state.topology.pp_group(core.rank())[0]][0]
+        ref = everyone[core.state.topology.pp_group(core.rank())[0]]
         if [r["name"] for r in ref] != [r["name"] for r in mine]:
             raise RuntimeError(f"smp: the model differs between pp ranks: {len(mine)} modules "
                                f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")

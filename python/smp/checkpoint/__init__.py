@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from smp import _C, core
+from smp import _C, agreement, core
 from smp.checkpoint import _torch_load
 
 __all__ = []
@@ -62,26 +62,23 @@ def _manifest(partial, part, parts, save_id, save_time_ns):
     return m
 
 
-def _agree(value, what):
-    """Every pp-group member's `value` (a str error or None); raises the first error on all.
+def _agree(error, what):
+    """Raises on every pp-group member the first member's `error` (a str, or None).
 
     `what` names the agreement point for readers of this code, not for users: the
     message is the error itself, plus which pp ranks hit it when not all of them did
     (the same text on every rank).
     """
-    if not core.is_initialized() or core.pp_size() == 1:
-        values = [value]
-    else:
-        values = core.allgather(value, core.CommGroup.PP_GROUP)
-    errors = [(r, v) for r, v in enumerate(values) if v is not None]
-    if errors:
-        r, msg = errors[0]
-        same = [q for q, v in errors if v == msg]
-        if len(same) < len(values):
-            ranks = ", ".join(map(str, same))
-            msg = f"{msg} (pp rank{'s' if len(same) > 1 else ''} {ranks})"
-        raise CheckpointError(msg)
-    return values
+    agreement.agree(None if error is None else CheckpointError(error),
+                    core.CommGroup.PP_GROUP, _verdict)
+
+
+def _verdict(failures, size):
+    _, _, msg = failures[0]
+    same = [r for r, _, text in failures if text == msg]
+    if len(same) < size:
+        msg = f"{msg} (pp rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))})"
+    return CheckpointError(msg)
 
 
 def _missing_directory(fn, path):

@@ -72,18 +72,20 @@ def resolve_hook_state(state):
             other than its dp group: its own message, or that of the lowest failing
             rank with "(rank R)".
     """
-    from smp import core
+    from smp import agreement, core
     dp_pg = core.get_dp_process_group()
     dp_ranks = sorted(core.get_dp_group())
     error = None
     try:
         state = _resolve(state, dp_pg, dp_ranks)
     except ValueError as e:
-        error = str(e)
-    if error is not None:
-        core.allgather(error, core.CommGroup.WORLD)
-        raise core.ConfigError(error)
-    for rank, msg in enumerate(core.allgather(None, core.CommGroup.WORLD)):
-        if msg is not None:
-            raise core.ConfigError(f"{msg} (rank {rank})")
+        error = core.ConfigError(str(e))
+    agreement.agree(error, core.CommGroup.WORLD, _verdict, own_first=True)
     return state
+
+
+def _verdict(failures, size):
+    """A rank whose own state was fine names the lowest failing rank."""
+    from smp import core
+    rank, _, text = failures[0]
+    return core.ConfigError(f"{text} (rank {rank})")

@@ -32,7 +32,8 @@ import sys
 import torch
 
 from smp import _C
-from smp.checkpoint import _PARTIAL_KEY, CheckpointError, _merge, _unpickle
+from smp.checkpoint import _parts, _read
+from smp.checkpoint._common import PARTIAL_KEY, CheckpointError
 from smp.optimizer import _BY_NAME
 
 __all__ = []
@@ -43,7 +44,7 @@ def _strip_partial(obj):
     if isinstance(obj, dict):
         out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
         for k, v in obj.items():
-            if k != _PARTIAL_KEY:
+            if k != PARTIAL_KEY:
                 out[k] = _strip_partial(v)
         return out
     return obj
@@ -74,12 +75,12 @@ def merge_partial(paths, map_location=None):
     if len(paths) == 1 and not os.path.exists(paths[0]):
         paths, _ = _C.checkpoint_resolve_partial(paths[0])  # a name given to smp.save
     parts = _C.checkpoint_read_parts(paths)  # ordered, every byte verified
-    objs = [_unpickle(records, map_location, pickle, {}) for _, records in parts]
+    objs = [_read.unpickle(records, map_location, pickle, {}) for _, records in parts]
     kinds = sorted({type(o).__name__ for o in objs if not isinstance(o, dict)})
     if kinds and len(objs) > 1:
         raise CheckpointError(f"smp: merge: the parts {paths} hold {', '.join(kinds)}, not "
                               "dicts: there is nothing to merge by key (torch.load each part)")
-    return _strip_partial(_merge(objs))
+    return _strip_partial(_parts.merge(objs))
 
 
 def optimizer_to_torch(state_dict, module):

@@ -1,0 +1,100 @@
+"""`smp.save` and `smp.load` (SMP v1): argument checks and the choice between a full
+file and a partial save; writing is `_commit.py`'s, reading `_read.py`'s."""
+import os
+import pickle
+
+from smp import core
+from smp.checkpoint import _commit, _hook_state, _read, _torch_load
+from smp.checkpoint._common import CheckpointError, check_bool, check_path, topology
+
+__all__ = []
+
+
+def _missing_directory(fn, path):
+    """The user's message when `path`'s directory does not exist, else None."""
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(d):
+        return None
+    return (f"smp.{fn}: directory '{d}' does not exist (saving '{path}'): create it before "
+            f"saving (os.makedirs('{d}', exist_ok=True) on one rank, then smp.barrier()), "
+            "or pass a file name in an existing directory")
+
+
+@core.api_call("smp.save()")  # Note [Naming the call] in smp/core.py
+def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False, **kwargs):
+    """Saves `obj` atomically to `f` (full) or `f"{f}_{pp_rank}"` (partial).
+
+    Args:
+        obj: what to save (typically a dict of state dicts).
+        f: a file name. The directory must exist.
+        partial: True: every rank of the pp group (the ranks with dp_rank() == 0; other
+            dp ranks skip the write, so they may call too) writes its part; the call is
+            collective over the pp group. False: the calling rank writes `f` alone.
+        pickle_module, pickle_protocol: as torch.save.
+        v3: accepted for SMP 1.10 compatibility (tensor parallelism is not sharded here).
+
+    Raises:
+        CheckpointError: a part could not be written (raised on every rank of the group);
+            `f`'s directory does not exist (on every rank that calls, the same message).
+        ValueError: a bad argument.
+    """
+    path = check_path("save", f)
+    check_bool("save", "partial", partial)
+    check_bool("save", "v3", bool(v3) if v3 in (0, 1) else v3)
+    if kwargs:
+        raise ValueError(f"smp.save: unexpected arguments {sorted(kwargs)} (allowed: partial, "
+                         "pickle_module, pickle_protocol, v3)")
+    obj = _hook_state.strip(obj)
+    _, _, dp_rank, _, _ = topology()
+    missing = _missing_directory("save", path)
+    if missing and (not partial or dp_rank != 0):
+        raise CheckpointError(missing)  # the writers below agree on it first
+    if not partial:
+        _commit.write_full(obj, path, pickle_module, pickle_protocol)
+        return
+    if dp_rank != 0:
+        return  # dp replicas hold the same state; dp rank 0's pp group writes it
+    _commit.write_part(obj, path, missing, pickle_module, pickle_protocol)
+
+
+@core.api_call("smp.load()")
+def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=False, *,
+         weights_only=None, **pickle_load_args):
+    """Loads what smp.save wrote, after verifying every byte of what it reads.
+
+    Args:
+        f: the name given to smp.save.
+        map_location, pickle_module, **pickle_load_args: as torch.load.
+        weights_only: as torch.load's: True unpickles with torch's weights-only unpickler
+            (tensors, plain containers, numbers, and what
+            torch.serialization.add_safe_globals allows; not smp's comm hook states).
+            None: torch.load's choice for this pickle_module, so with the default
+            pickle_module=pickle everything loads (SMP v1; checkpoints hold optimizer
+            state and user content). See Note [smp.load and weights_only].
+        partial: True: a partial save (`f_0`, `f_1`, ...): call on every rank; each rank
+            reads the parts that hold its layers (with a different pp_size than the
+            saving job, several or a shared one) and the pp group agrees on the verdict.
+            False: the full file `f` (a plain torch.save file loads too).
+        back_compat: accepted for SMP 1.10 compatibility.
+
+    Raises:
+        CheckpointError: a missing, truncated or altered file, or parts of different
+            saves, or (weights-only unpickling) a file holding other objects; with
+            partial=True raised on every rank of the pp group, naming the file.
+        ValueError: a bad argument (weights_only not None/True/False, weights-only
+            unpickling with a pickle_module other than pickle or None, mmap).
+    """
+    path = check_path("load", f)
+    check_bool("load", "partial", partial)
+    mmap = pickle_load_args.pop("mmap", None)
+    if mmap:
+        raise ValueError(f"smp.load: argument 'mmap'={mmap!r} is not "
+                         "supported (smp verifies every byte it reads into memory; use "
+                         "torch.load(..., mmap=True) on a full file)")
+    weights_only = _torch_load.resolve_weights_only("load", weights_only, pickle_module)
+    if not partial:
+        return _hook_state.rebind(_read.read_full(path, map_location, pickle_module,
+                                                  weights_only, pickle_load_args))
+    pp_rank, pp_size, _, _, _ = topology()
+    return _hook_state.rebind(_read.read_parts(path, pp_rank, pp_size, map_location,
+                                               pickle_module, weights_only, pickle_load_args))

@@ -1,0 +1,94 @@
+"""Writing checkpoint files: a sealed temporary beside the final name, then the atomic
+rename, and for a partial save the two-phase commit over the pp group.
+
+Two phases: every part is written and sealed under a temporary name, the pp group
+agrees that all were, and only then is each renamed to its final name; the group
+agrees again that every rename succeeded before the previous generation is dropped.
+See Note [Generations] in checkpoint/checkpoint.cpp for what a reader does with a save
+that stopped in between.
+"""
+import os
+import random
+import time
+
+import torch
+
+from smp import _C, core
+from smp.checkpoint._common import CheckpointError, agree, topology
+from smp.checkpoint._crash import crash_point
+
+__all__ = []
+
+
+def manifest(partial, part, parts, save_id, save_time_ns):
+    _, pp, _, dp, world = topology()
+    m = _C.Manifest()
+    m.save_id, m.save_time_ns = save_id, save_time_ns
+    m.partial, m.part, m.parts = partial, part, parts
+    m.world_size, m.pp_size, m.dp_size = world, pp, dp
+    model = core.state.model if core.is_initialized() else None
+    m.plan_hash = getattr(model, "_plan_hash", 0) or 0
+    m.torch_version = torch.__version__
+    return m
+
+
+def _tmp_path(final):
+    d, base = os.path.split(os.path.abspath(final))
+    return os.path.join(d, f".{base}.tmp-{os.getpid()}-{random.getrandbits(48):012x}")
+
+
+def write_sealed(obj, final, m, pickle_module, pickle_protocol):
+    """torch.save into a temporary beside `final`, sealed by C++. Returns its path."""
+    tmp = _tmp_path(final)
+    try:
+        torch.save(obj, tmp, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+        if m.partial:
+            crash_point("after_write")
+        _C.checkpoint_seal(tmp, m)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def write_full(obj, path, pickle_module, pickle_protocol):
+    """`path`, written by this rank alone."""
+    m = manifest(False, 0, 1, random.getrandbits(63), time.time_ns())
+    tmp = write_sealed(obj, path, m, pickle_module, pickle_protocol)
+    _C.checkpoint_publish(tmp, path, False)
+
+
+def write_part(obj, path, missing, pickle_module, pickle_protocol):
+    """This pp rank's part `f"{path}_{pp_rank}"` of a partial save; collective over the
+    pp group (dp rank 0's). `missing`: the error to agree on instead of writing (the
+    directory does not exist), or None."""
+    pp_rank, pp_size, _, _, _ = topology()
+    save_id, t_ns = (random.getrandbits(63), time.time_ns())
+    if pp_size > 1:
+        save_id, t_ns = core.allgather((save_id, t_ns), core.CommGroup.PP_GROUP)[0]
+    final = f"{path}_{pp_rank}"
+    tmp, err = None, missing
+    try:
+        if err is None:
+            tmp = write_sealed(obj, final, manifest(True, pp_rank, pp_size, save_id, t_ns),
+                               pickle_module, pickle_protocol)
+    except Exception as e:  # noqa: BLE001  (reported on every rank below)
+        err = f"smp.save: writing '{final}' failed on pp rank {pp_rank}: {e}"
+    crash_point("after_seal")
+    try:
+        agree(err, "every part sealed before any is renamed")
+    except CheckpointError:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    # See Note [Generations] in checkpoint/checkpoint.cpp.
+    err = None
+    crash_point("before_rename")
+    try:
+        _C.checkpoint_publish(tmp, final, True)
+    except Exception as e:  # noqa: BLE001
+        err = f"smp.save: renaming '{final}' failed on pp rank {pp_rank}: {e}"
+    crash_point("after_rename")
+    agree(err, "every part renamed")
+    _C.checkpoint_drop_previous(final)

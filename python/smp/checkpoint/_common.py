@@ -1,0 +1,48 @@
+"""What every part of smp.checkpoint shares: the error type, argument checks, where this
+rank sits, and the pp group's agreement on an error."""
+import os
+
+from smp import _C, agreement, core
+from smp.model_state import PARTIAL_KEY  # noqa: F401  (merged as "any part" by _parts)
+
+__all__ = []
+
+CheckpointError = _C.CheckpointError
+
+
+def check_path(name, f):
+    if not isinstance(f, (str, os.PathLike)):
+        raise ValueError(f"smp: {name} f={f!r} is not a path (allowed: str or os.PathLike; "
+                         "SMP accepts only file names)")
+    return os.fspath(f)
+
+
+def check_bool(fn, name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"smp.{fn}: argument '{name}'={value!r} is not one of {{True, False}}")
+
+
+def topology():
+    """(pp rank, pp size, dp rank, dp size, world size); a world of one before smp.init."""
+    if core.is_initialized():
+        return core.pp_rank(), core.pp_size(), core.dp_rank(), core.dp_size(), core.size()
+    return 0, 1, 0, 1, 1
+
+
+def agree(error, what):
+    """Raises on every pp-group member the first member's `error` (a str, or None).
+
+    `what` names the agreement point for readers of this code, not for users: the
+    message is the error itself, plus which pp ranks hit it when not all of them did
+    (the same text on every rank).
+    """
+    agreement.agree(None if error is None else CheckpointError(error),
+                    core.CommGroup.PP_GROUP, _verdict)
+
+
+def _verdict(failures, size):
+    _, _, msg = failures[0]
+    same = [r for r, _, text in failures if text == msg]
+    if len(same) < size:
+        msg = f"{msg} (pp rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))})"
+    return CheckpointError(msg)

@@ -1,0 +1,100 @@
+"""Reading checkpoint files: C++ reads and verifies every byte (`_C.checkpoint_*`), and
+torch's own loader unpickles the records it read (one read of the file). A partial
+save is read part by part, each rank the parts that hold its layers, and the pp group
+agrees on the verdict."""
+import os
+
+from smp import _C
+from smp.checkpoint import _torch_load
+from smp.checkpoint._common import CheckpointError, agree
+from smp.checkpoint._parts import merge, my_parts
+
+__all__ = []
+
+
+class _Records:
+    """The records of one verified file, in the shape torch's zip loader reads."""
+
+    def __init__(self, records):
+        self._r = {name.split("/", 1)[1] if "/" in name else name: t
+                   for name, t in records.items()}
+
+    def get_record(self, name):
+        return self._r[name].numpy().tobytes()
+
+    def has_record(self, name):
+        return name in self._r
+
+    def get_all_records(self):
+        return list(self._r)
+
+    def get_storage_from_record(self, name, numel, dtype):
+        return self._r[name]
+
+    def serialization_id(self):
+        return self.get_record(".data/serialization_id").decode() \
+            if self.has_record(".data/serialization_id") else ""
+
+
+def _refused(path, reason):
+    """The error for a file torch's weights-only unpickler refused (Note [smp.load and
+    weights_only] in _torch_load.py)."""
+    ours = (" It holds smp objects (a comm hook or its state, such as PowerSGDState), which "
+            "weights_only=True refuses as torch.load refuses torch's own PowerSGDState."
+            if "smp." in reason else "")
+    return CheckpointError(
+        f"smp.load: '{path}' holds objects that weights_only=True refuses: it loads tensors, "
+        "plain containers and numbers only (and what torch.serialization.add_safe_globals "
+        f"allows).{ours} Pass weights_only=False only for a file you trust. "
+        f"torch's reason: {reason}")
+
+
+def unpickle(records, map_location, pickle_module, pickle_load_args, weights_only=False,
+             path=None):
+    try:
+        return _torch_load.unpickle(_Records(records), map_location, pickle_module,
+                                    weights_only, pickle_load_args)
+    except _torch_load.WeightsOnlyRefused as e:
+        raise _refused(path, str(e)) from None
+
+
+def read_full(path, map_location, pickle_module, weights_only, pickle_load_args):
+    """The object in full file `path` (a plain torch.save file loads too)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"smp: checkpoint '{path}' does not exist")
+    if not _C.checkpoint_has_manifest(path):
+        # A plain torch.save file (SMP v1: full checkpoints of non-smp models load too).
+        try:
+            return _torch_load.load_plain(path, map_location, pickle_module, weights_only,
+                                          pickle_load_args)
+        except _torch_load.WeightsOnlyRefused as e:
+            raise _refused(path, str(e)) from None
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"smp: checkpoint '{path}' has no smp trailer (truncated, or "
+                                  f"not written by smp.save) and torch.load fails: {e}") from e
+    _, records = _C.checkpoint_read_verified(path)
+    return unpickle(records, map_location, pickle_module, pickle_load_args, weights_only, path)
+
+
+def read_parts(path, pp_rank, pp_size, map_location, pickle_module, weights_only,
+               pickle_load_args):
+    """What the parts of partial save `path` that this rank reads hold, merged;
+    collective over the pp group, which agrees first on every part's bytes and then on
+    unpickling them."""
+    err, paths, got = None, None, []
+    try:
+        paths, _ = _C.checkpoint_resolve_partial(path)
+        for p in my_parts(len(paths), pp_rank, pp_size):
+            got.append(_C.checkpoint_read_verified(paths[p])[1])
+    except CheckpointError as e:
+        err = str(e)
+    agree(err, "verifying the partial checkpoint")
+    objs = []
+    try:
+        for p, r in zip(my_parts(len(paths), pp_rank, pp_size), got):
+            objs.append(unpickle(r, map_location, pickle_module, pickle_load_args,
+                                 weights_only, paths[p]))
+    except CheckpointError as e:  # a weights-only refusal: parts differ, so agree on it
+        err = str(e)
+    agree(err, "unpickling the partial checkpoint")
+    return merge(objs)

@@ -101,7 +101,7 @@ def agree(error, group, verdict, value=None, own_first=False):
         when any rank has an error.
     """
     mine = (value, error_of(error))
-    if core.is_initialized() and len(core._members(group)) > 1:
+    if core.is_initialized() and len(core.members(group)) > 1:
         everyone = core.allgather(mine, group)
     else:
         everyone = [mine]

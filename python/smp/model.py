@@ -66,7 +66,7 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                  trace_memory_usage=False, broadcast_buffers=True,
                  gradient_as_bucket_view=False):
         super().__init__()
-        core._require_init()
+        core.require_init()
         _check_arg("module", module, isinstance(module, torch.nn.Module), "a torch.nn.Module")
         _check_arg("trace_device", trace_device, trace_device in ("cpu", "gpu"),
                    "one of {cpu, gpu}")

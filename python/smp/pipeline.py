@@ -97,7 +97,7 @@ class Engine:
         cuda = torch.cuda.is_available()
         if mode == "tcp" or (mode == "auto" and not cuda):
             return
-        backend = core._choose_backend("nccl") if cuda and dist.is_nccl_available() else "gloo"
+        backend = core.choose_backend("nccl") if cuda and dist.is_nccl_available() else "gloo"
         timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
         mine = None
         for ranks in core.state.topology.all_pp_groups():  # every rank, the same order

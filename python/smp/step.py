@@ -150,7 +150,7 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        core._require_init()
+        core.require_init()
         model = core.state.model
         if model is None:
             raise RuntimeError("smp.step: no smp.DistributedModel exists; wrap the model "

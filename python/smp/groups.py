@@ -1,0 +1,137 @@
+"""smp's process groups: SMP v1's group names, the torch.distributed groups smp.init
+creates (world, every pp group, every dp group, one-rank tp groups) and their getters.
+
+Groups are made through torch.distributed (`dist.new_group`) so they are registered
+there and usable with torch's API; C++ receives them with `_C.install`."""
+import contextlib
+import enum
+import inspect
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from smp import _C
+from smp.process_state import require_init, state
+
+__all__ = []
+
+ConfigError = _C.ConfigError
+SMPTimeoutError = _C.SMPTimeoutError
+
+
+class CommGroup(enum.Enum):
+    """Groups of SMP v1. With no tensor parallelism TP is each rank alone and RDP = DP."""
+
+    WORLD = 0
+    PP_GROUP = 1
+    TP_GROUP = 2
+    RDP_GROUP = 3
+    DP_GROUP = 4
+    MP_GROUP = 5
+
+
+_GROUP_NAME = {
+    CommGroup.WORLD: "world", CommGroup.PP_GROUP: "pp", CommGroup.MP_GROUP: "pp",
+    CommGroup.DP_GROUP: "dp", CommGroup.RDP_GROUP: "dp", CommGroup.TP_GROUP: "tp",
+}
+
+
+def group_name(group):
+    """The kind of `group` ("world", "pp", "dp", "tp"); ValueError for a non-group."""
+    if group not in _GROUP_NAME:
+        raise ValueError(f"smp: group {group!r} is not one of "
+                         f"{{{', '.join(g.name for g in CommGroup)}}}")
+    return _GROUP_NAME[group]
+
+
+def choose_backend(name):
+    """torch.distributed's backend string for config 'backend' `name`."""
+    if name == "auto":
+        name = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if name == "nccl":
+        if not dist.is_nccl_available():
+            raise ConfigError("smp: config 'backend'='nccl' is not available in this torch "
+                              "build (allowed here: gloo, auto)")
+        # Object collectives move CPU tensors: keep Gloo for CPU where torch allows it.
+        if int(torch.__version__.split(".")[0]) >= 2:
+            return "cpu:gloo,cuda:nccl"
+    return name
+
+
+@contextlib.contextmanager
+def event_driven_group_barrier():
+    """torch 1.13's init_process_group/new_group end with a store barrier that polls
+    every 10 ms; smp creates ~2 + world groups, so on a busy host that polling was
+    most of smp.init. Inside this context the barrier waits on a key that the last
+    rank to arrive sets (TCPStore wakes waiters at once). Same semantics: every rank
+    of the world checks in, bounded by the group's timeout. Only where torch's barrier
+    has 1.13's signature (torch 2.x synchronises groups its own way)."""
+    c10d = dist.distributed_c10d
+    orig = getattr(c10d, "_store_based_barrier", None)
+    if orig is None or list(inspect.signature(orig).parameters) != ["rank", "store", "timeout"]:
+        yield
+        return
+    count = itertools.count()
+
+    def barrier(rank, store, timeout):
+        key = f"smp/group_barrier/{next(count)}"
+        if store.add(key, 1) == c10d.get_world_size():
+            store.set(key + "/done", b"1")
+        try:
+            store.wait([key + "/done"], timeout)
+        except RuntimeError as exc:
+            raise SMPTimeoutError(
+                f"smp: timed out after {timeout} waiting for every rank to create process "
+                f"group #{key.rsplit('/', 1)[1]} (smp.init, rank {rank})") from exc
+
+    c10d._store_based_barrier = barrier
+    try:
+        yield
+    finally:
+        c10d._store_based_barrier = orig
+
+
+def create_groups(topo, rank, world, timeout):
+    """Every rank creates every group, in the same order (torch requires it). A
+    one-rank group is created once per rank and serves as that rank's tp group and as
+    its pp or dp group when that is a singleton too (it has no peer to disagree with)."""
+    groups = {"world": dist.group.WORLD}
+    singles = {}
+    for r in range(world):
+        pg = dist.new_group([r], timeout=timeout)
+        singles[r] = pg
+        if r == rank:
+            groups["tp"] = pg
+    for kind, all_groups in (("pp", topo.all_pp_groups()), ("dp", topo.all_dp_groups())):
+        for ranks in all_groups:
+            ranks = list(ranks)
+            # Not the world group even when it has the same members: the reducer's comm
+            # thread and the main thread would then issue collectives on one group.
+            pg = singles[ranks[0]] if len(ranks) == 1 else dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                groups[kind] = pg
+    return groups
+
+
+def get_world_process_group():
+    require_init()
+    return state.groups["world"]
+
+
+def get_pp_process_group():
+    require_init()
+    return state.groups["pp"]
+
+
+def get_dp_process_group():
+    require_init()
+    return state.groups["dp"]
+
+
+def get_tp_process_group():
+    require_init()
+    return state.groups["tp"]
+
+
+get_mp_process_group, get_rdp_process_group = get_pp_process_group, get_dp_process_group

@@ -1,0 +1,126 @@
+"""smp.init and smp.shutdown: the process's smp runtime (C++: smp_core/runtime.h).
+
+The C++ core (``smp._C``) validates the config, checks that every rank agrees on it,
+computes the rank layout and moves the bytes; init resolves where the config comes
+from (smp/config_source.py) and where this process sits (smp/launch_env.py), meets its
+peers on the store, creates the ``torch.distributed`` groups (smp/groups.py) and hands
+all of it to C++ (``_C.install``), then fills ``smp.state`` (smp/process_state.py).
+"""
+import atexit
+import datetime
+import json
+import os
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from smp import _C, launch_env, log
+from smp.config_source import config_text, timeout_of
+from smp.groups import choose_backend, create_groups, event_driven_group_barrier
+from smp.process_state import state
+from smp.timeline import timeline
+
+__all__ = []
+
+ConfigError = _C.ConfigError
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"smp: environment {name}='{value}' is not an integer") from None
+
+
+def _wait_for_listener(addr, port, timeout_s):
+    """Returns once rank 0's store accepts connections (bounded by timeout_s).
+
+    torch's TCPStore client sleeps a whole second after a refused connection, so ranks
+    that start together with rank 0 (the usual case under smprun) would each lose ~1 s
+    in smp.init. A plain connect, retried every few ms, finds the listener first; the
+    store then connects at once. A timeout here is left to the store's own connect,
+    which reports it.
+    """
+    import socket
+    import time
+    deadline = time.monotonic() + timeout_s
+    pause = 0.002
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+def init(config=None):
+    """Initialises smp: config, process groups and rank layout.
+
+    Args:
+        config: a dict, a path to a JSON file, or None (then env ``SMP_CONFIG``, else
+            ``SM_HP_MP_PARAMETERS``, else defaults).
+
+    Raises:
+        ConfigError: a bad key or value, or ranks that disagree (raised on every rank).
+        SMPTimeoutError: a rank did not arrive within ``timeout_s``.
+    """
+    if state.initialized:
+        return
+    log.configure()  # SMP_LOG_LEVEL: a bad value fails here, before any rendezvous
+    raw = config_text(config)
+    timeout_s = timeout_of(raw)
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    if dist.is_initialized():
+        # The script initialised torch.distributed itself: join its world and store.
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = _env_int("LOCAL_RANK", rank)
+        local_size = _env_int("LOCAL_WORLD_SIZE", world)
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        where = launch_env.from_environment()
+        rank, world = where.rank, where.world_size
+        local_rank, local_size = where.local_rank, where.local_size
+        if where.master_addr is not None:
+            # Derived from SLURM or Open MPI: export them as torchrun and smprun do, so
+            # torch's env:// and smp's pipeline transport see the same endpoint.
+            os.environ.setdefault("MASTER_ADDR", where.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(where.master_port))
+        store = launch_env.rendezvous(where, timeout_s, _wait_for_listener)
+
+    cfg_json = _C.agree_config(store, rank, world, raw)
+    cfg = json.loads(cfg_json)
+    topo = _C.Topology(world, cfg["partitions"], cfg["placement_strategy"])
+    with event_driven_group_barrier():
+        if not dist.is_initialized():
+            dist.init_process_group(choose_backend(cfg["backend"]), store=store, rank=rank,
+                                    world_size=world, timeout=timeout)
+        groups = create_groups(topo, rank, world, timeout)
+    _C.install(cfg_json, rank, world, local_rank, local_size, store,
+               groups["world"], groups["pp"], groups["dp"])
+    state.cfg = SimpleNamespace(**cfg)
+    state.topology = topo
+    state.rank, state.world_size = rank, world
+    state.local_rank, state.local_size = local_rank, local_size
+    state.store = store
+    state.groups = groups
+    state.initialized = True
+    timeline.start(rank)
+    atexit.register(timeline.close)
+
+
+def shutdown():
+    """Tears down smp's groups (tests and scripts that re-initialise)."""
+    if not state.initialized:
+        return
+    if state.model is not None:
+        state.model._shutdown()
+    timeline.close()
+    _C.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    state.__init__()

@@ -259,9 +259,7 @@ class Engine:
         self.epoch += 1
         self.p2p.begin_step(self.epoch)
         timeline.begin_step()  # the owners count this step in run_step
-        payload = error_payload(exc)
-        for r in range(1, core.pp_size()):
-            self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
+        self._send_to_pp_ranks(K.ABORT, error_payload(exc))
         raise exc
 
     def _drive(self, fn, mb_inputs):
@@ -281,9 +279,8 @@ class Engine:
                             exc._smp_cell = (0, mb, bool(_task.backward))
                         except AttributeError:
                             pass
-                    payload = error_payload(exc)
-                    for r in range(core.pp_size()):
-                        self.p2p.send(r, _C.Message(-1, 0, K.ABORT, payload, []))
+                    # The driver too: its other tasks waiting for a message see it.
+                    self._send_to_pp_ranks(K.ABORT, error_payload(exc), to_self=True)
                 errors.append(exc)
             finally:
                 _task.mb = None
@@ -297,10 +294,14 @@ class Engine:
             self.log_failure(errors[0])
             raise errors[0]
         out = (results, self.model._backward_this_step)
-        payload = pickle.dumps(out)
-        for r in range(1, core.pp_size()):
-            self.p2p.send(r, _C.Message(-1, 0, K.STEP_END, payload, []))
+        self._send_to_pp_ranks(K.STEP_END, pickle.dumps(out))
         return out
+
+    def _send_to_pp_ranks(self, kind, payload, to_self=False):
+        """The driver's word to every other pp rank (and, with `to_self`, to itself): a
+        message of `kind` outside any microbatch (ABORT, STEP_END) carrying `payload`."""
+        for r in range(0 if to_self else 1, core.pp_size()):
+            self.p2p.send(r, _C.Message(-1, 0, kind, payload, []))
 
     def _serve_step(self):
         try:

@@ -1,6 +1,9 @@
 #include "smp_core/runtime.h"
 
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
+#include <limits>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -16,30 +19,62 @@ namespace {
 
 std::unique_ptr<Runtime> g_runtime;
 
-int env_int(const char* name, int def) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return def;
+// One variable lookup for both sources: the process's environment or a given map.
+class Vars {
+ public:
+  explicit Vars(const std::map<std::string, std::string>* vars) : vars_(vars) {}
+  // The value, or nullptr when unset.
+  const char* get(const std::string& name) const {
+    if (!vars_) return std::getenv(name.c_str());
+    auto it = vars_->find(name);
+    return it == vars_->end() ? nullptr : it->second.c_str();
+  }
+  bool has(const std::string& name) const { return get(name) != nullptr; }
+  bool empty(const std::string& name) const {
+    const char* v = get(name);
+    return !v || !*v;
+  }
+  const std::map<std::string, std::string>* map() const { return vars_; }
+
+ private:
+  const std::map<std::string, std::string>* vars_;
+};
+
+int parse_int(const std::string& name, const char* value) {
+  const char* begin = value;
+  while (std::isspace(static_cast<unsigned char>(*begin))) ++begin;
+  errno = 0;
   char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (*end != '\0')
-    throw ConfigError(str_cat("smp: environment ", name, "='", v, "' is not an integer"));
+  long x = std::strtol(begin, &end, 10);
+  const bool digits = end != begin;
+  while (std::isspace(static_cast<unsigned char>(*end))) ++end;
+  if (!digits || *end != '\0' || errno == ERANGE || x < std::numeric_limits<int>::min() ||
+      x > std::numeric_limits<int>::max())
+    throw ConfigError(str_cat("smp: environment ", name, "='", value, "' is not an integer"));
   return static_cast<int>(x);
 }
 
-}  // namespace
+// A variable that must be set because RANK is.
+int required_int(const Vars& vars, const std::string& name, const char* rank) {
+  if (vars.empty(name))
+    throw ConfigError(str_cat("smp: environment ", name, " is not set, but RANK=", rank, " is"));
+  return parse_int(name, vars.get(name));
+}
 
-ProcessEnv ProcessEnv::from_environment() {
+ProcessEnv parse_process_env(const Vars& vars) {
   ProcessEnv e;
-  if (!std::getenv("RANK")) {
+  const char* rank = vars.get("RANK");
+  if (!rank) {
     // A bare process is a world of 1, but not one of N copies srun or mpirun started:
     // those would each train alone. Python's smp.init derives the world from these
     // variables (python/smp/launch_env.py; Note [Open MPI before SLURM] there).
     for (auto [var, size] : {std::pair{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
                              std::pair{"SLURM_PROCID", "SLURM_NTASKS"}}) {
-      if (!std::getenv(var)) continue;
-      if (env_int(size, 1) > 1)
+      if (!vars.has(var)) continue;
+      const int n = env_int(size, 1, vars.map());
+      if (n > 1)
         throw ConfigError(str_cat("smp: environment RANK is not set, but ", var, "=",
-                                  std::getenv(var), " and ", size, "=", env_int(size, 1),
+                                  vars.get(var), " and ", size, "=", n,
                                   " say this is one of several ranks; smp::init (C++) reads "
                                   "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR "
                                   "and MASTER_PORT: export them, or launch with smprun"));
@@ -47,20 +82,43 @@ ProcessEnv ProcessEnv::from_environment() {
     }
     return e;
   }
-  e.rank = env_int("RANK", 0);
-  e.world_size = env_int("WORLD_SIZE", 1);
-  e.local_rank = env_int("LOCAL_RANK", e.rank);
-  e.local_size = env_int("LOCAL_WORLD_SIZE", e.world_size);
-  if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
-  e.master_port = env_int("MASTER_PORT", 0);
-  if (e.world_size < 1 || e.rank < 0 || e.rank >= e.world_size)
+  e.rank = parse_int("RANK", rank);
+  e.world_size = required_int(vars, "WORLD_SIZE", rank);
+  e.local_rank = env_int("LOCAL_RANK", e.rank, vars.map());
+  e.local_size = env_int("LOCAL_WORLD_SIZE", e.world_size, vars.map());
+  e.torchelastic = !vars.empty("TORCHELASTIC_RUN_ID");
+  if (e.world_size < 1)
+    throw ConfigError(str_cat("smp: environment WORLD_SIZE=", e.world_size,
+                              " is not an integer >= 1"));
+  if (e.rank < 0 || e.rank >= e.world_size)
     throw ConfigError(str_cat("smp: environment RANK=", e.rank, " is not in [0, WORLD_SIZE=",
                               e.world_size, ")"));
-  if (e.world_size > 1 && e.master_port <= 0)
-    throw ConfigError(str_cat("smp: environment MASTER_PORT is not set (WORLD_SIZE=",
-                              e.world_size,
-                              "); set MASTER_ADDR and MASTER_PORT, or launch with smprun"));
+  if (e.world_size == 1) return e;  // no rendezvous: MASTER_* are not read
+  if (!vars.empty("MASTER_ADDR")) e.master_addr = vars.get("MASTER_ADDR");
+  e.master_port = env_int("MASTER_PORT", 0, vars.map());
+  if (e.master_port > 65535)
+    throw ConfigError(str_cat("smp: environment MASTER_PORT=", e.master_port,
+                              " is not a port in [1, 65535]"));
+  if (e.master_port <= 0 && !e.torchelastic)
+    throw ConfigError(str_cat("smp: environment MASTER_PORT is not set (RANK=", e.rank,
+                              ", WORLD_SIZE=", e.world_size,
+                              "); set MASTER_ADDR and MASTER_PORT to rank 0's host and a free "
+                              "port, or launch with smprun or torchrun"));
   return e;
+}
+
+}  // namespace
+
+int env_int(const std::string& name, int def, const std::map<std::string, std::string>* vars) {
+  Vars v(vars);
+  if (v.empty(name)) return def;
+  return parse_int(name, v.get(name));
+}
+
+ProcessEnv ProcessEnv::from_environment() { return parse_process_env(Vars(nullptr)); }
+
+ProcessEnv ProcessEnv::from_variables(const std::map<std::string, std::string>& vars) {
+  return parse_process_env(Vars(&vars));
 }
 
 std::string config_from_environment() {

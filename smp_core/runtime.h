@@ -9,6 +9,7 @@
 // Thread-safety: init/install/shutdown from one thread; getters are safe afterwards.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,17 +20,47 @@
 
 namespace smp {
 
-// Where this process sits, from RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/
-// MASTER_ADDR/MASTER_PORT; a bare process (no RANK) is a world of 1.
+// Where this process sits, from the variables smprun and torchrun set: RANK,
+// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and
+// TORCHELASTIC_RUN_ID). The one parser of them: smp::init (C++) reads the process's
+// environment, and Python's smp.init (python/smp/launch_env.py, bound as
+// `_C.process_env`) reads them through it too.
+//
+// With RANK set: RANK and WORLD_SIZE are required; LOCAL_RANK defaults to RANK,
+// LOCAL_WORLD_SIZE to WORLD_SIZE; with WORLD_SIZE > 1, MASTER_ADDR defaults to
+// 127.0.0.1 and MASTER_PORT is required (except under torchrun, whose agent hosts the
+// store). Without RANK: a world of 1, unless OMPI_COMM_WORLD_* or SLURM_* say this is
+// one of several ranks (then ConfigError: smp::init reads only the variables above;
+// Python's smp.init derives them from Open MPI's and SLURM's own, launch_env.py).
+// Errors are ConfigError naming the variable and its value.
 struct ProcessEnv {
+  // This process's global rank (RANK).
   int rank = 0;
+  // Ranks in the job (WORLD_SIZE).
   int world_size = 1;
+  // Rank on this node (LOCAL_RANK; default: rank).
   int local_rank = 0;
+  // Ranks on this node (LOCAL_WORLD_SIZE; default: world_size).
   int local_size = 1;
+  // Rank 0's host (MASTER_ADDR; default 127.0.0.1). Read only when world_size > 1.
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // 0: no rendezvous needed (world of 1)
+  // Rank 0's store port (MASTER_PORT); 0: none needed (a world of 1, or torchrun's).
+  int master_port = 0;
+  // TORCHELASTIC_RUN_ID is set: torchrun started this process and its agent hosts the
+  // store on MASTER_PORT.
+  bool torchelastic = false;
+
+  // Parses the process's environment.
   static ProcessEnv from_environment();
+  // Parses `vars` (variable -> value) as from_environment parses the environment.
+  static ProcessEnv from_variables(const std::map<std::string, std::string>& vars);
 };
+
+// The integer in environment variable `name`, or `def` when it is unset or empty;
+// `vars` instead of the process's environment when given. Surrounding blanks are
+// allowed. Throws ConfigError "smp: environment NAME='value' is not an integer".
+int env_int(const std::string& name, int def,
+            const std::map<std::string, std::string>* vars = nullptr);
 
 // Exchanges each rank's raw config JSON over `store`, parses it, and returns the
 // resolved Config if every rank's config is valid and identical; else throws the same

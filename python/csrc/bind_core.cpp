@@ -3,6 +3,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <pybind11/stl.h>
 
+#include <map>
+#include <optional>
+
 #include "bindings.h"
 #include "smp_core/call_agreement.h"
 #include "smp_core/comm.h"
@@ -89,6 +92,34 @@ void bind_core(py::module_& m) {
   m.def("config_keys", &config_keys);
   m.def("describe_config_disagreement", &describe_config_disagreement);
   m.def("config_from_environment", &config_from_environment);
+
+  // The one parser of RANK, WORLD_SIZE, ... (smp_core/runtime.h); launch_env.py reads
+  // the world through it.
+  py::class_<ProcessEnv>(m, "ProcessEnv")
+      .def_readonly("rank", &ProcessEnv::rank)
+      .def_readonly("world_size", &ProcessEnv::world_size)
+      .def_readonly("local_rank", &ProcessEnv::local_rank)
+      .def_readonly("local_size", &ProcessEnv::local_size)
+      .def_readonly("master_addr", &ProcessEnv::master_addr)
+      .def_readonly("master_port", &ProcessEnv::master_port)
+      .def_readonly("torchelastic", &ProcessEnv::torchelastic)
+      .def("__repr__", [](const ProcessEnv& e) {
+        return str_cat("ProcessEnv(rank=", e.rank, ", world_size=", e.world_size,
+                       ", local_rank=", e.local_rank, ", local_size=", e.local_size,
+                       ", master_addr='", e.master_addr, "', master_port=", e.master_port,
+                       ", torchelastic=", e.torchelastic ? "True" : "False", ")");
+      });
+  m.def("process_env", [](const std::optional<std::map<std::string, std::string>>& vars) {
+    return vars ? ProcessEnv::from_variables(*vars) : ProcessEnv::from_environment();
+  }, py::arg("vars") = py::none(),
+        "Where this process sits, parsed from `vars` (a dict) or the process's environment. "
+        "Raises smp.ConfigError naming the variable and its value.");
+  m.def("env_int", [](const std::string& name, int def,
+                      const std::optional<std::map<std::string, std::string>>& vars) {
+    return env_int(name, def, vars ? &*vars : nullptr);
+  }, py::arg("name"), py::arg("default"), py::arg("vars") = py::none(),
+        "The integer in environment variable `name` (of `vars` when given), or `default` "
+        "when unset or empty. Raises smp.ConfigError naming the variable and its value.");
 
   py::class_<Topology>(m, "Topology")
       .def(py::init<int, int, const std::string&>(), py::arg("world_size"),

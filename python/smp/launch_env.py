@@ -4,12 +4,17 @@ store it meets its peers on, read from whichever launcher started it.
 Sources, first match wins (docs/launcher.md, "Launching without smprun"):
 
 1. ``RANK`` set: smprun, torchrun, or a user's own exports (``WORLD_SIZE``,
-   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Under
+   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), parsed by
+   C++ (``smp._C.process_env``: ``ProcessEnv`` in smp_core/runtime.h, the parser
+   smp::init uses). Under
    torchrun (``TORCHELASTIC_RUN_ID`` set) the store comes from torch's own ``env://``
    rendezvous handler, which connects to the agent's store as a client when
    ``TORCHELASTIC_USE_AGENT_STORE=True``; smp's keys carry the restart attempt.
 2. ``OMPI_COMM_WORLD_RANK`` set: a script started directly by Open MPI's ``mpirun``.
 3. ``SLURM_PROCID`` set: a script started directly by ``srun``.
+
+(2 and 3 are parsed here, in Python, with C++'s integer parser and SLURM rules: they
+derive a world that C++'s smp::init does not read, which refuses such a process.)
 4. None of them: a world of 1.
 
 Note [Open MPI before SLURM]: ``mpirun`` inside a SLURM allocation starts processes
@@ -74,18 +79,21 @@ def _source_vars(source):
             "slurm": "SLURM_PROCID, SLURM_NTASKS (srun)"}.get(source, source)
 
 
+# What ProcessEnv reads (smp_core/runtime.h).
+_PROCESS_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
 def _int(env, name, why, default=None):
     """The integer in env[name]; `default` when unset, else ConfigError naming the
-    variable and `why` it is needed (default None), or a malformed value."""
+    variable and `why` it is needed (default None), or a malformed value (C++'s
+    integer parser, the one ProcessEnv uses)."""
     value = env.get(name)
     if value in (None, ""):
         if default is not None:
             return default
         raise ConfigError(f"smp: environment {name} is not set, {why}")
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"smp: environment {name}='{value}' is not an integer") from None
+    return _C.env_int(name, 0, {name: value})
 
 
 def _master_port(env):
@@ -101,26 +109,19 @@ def from_environment(env=None):
     """
     env = os.environ if env is None else env
     if "RANK" in env:
-        source = "torchelastic" if env.get("TORCHELASTIC_RUN_ID") else "env"
-        why = f"but RANK={env['RANK']} is"
-        rank = _int(env, "RANK", why)
-        world = _int(env, "WORLD_SIZE", why)
-        local_rank = _int(env, "LOCAL_RANK", why, default=rank)
-        local_size = _int(env, "LOCAL_WORLD_SIZE", why, default=world)
-        if source == "torchelastic":
+        # smprun's and torchrun's variables: C++'s one parser of them (ProcessEnv in
+        # smp_core/runtime.h), which smp::init uses too.
+        e = _C.process_env({k: env[k] for k in _PROCESS_ENV_VARS if k in env})
+        rank, world, local_rank, local_size = e.rank, e.world_size, e.local_rank, e.local_size
+        if e.torchelastic:
             # See Note [Keys per torchrun attempt].
             attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-            return WorldEnv(source, rank, world, local_rank, local_size,
+            return WorldEnv("torchelastic", rank, world, local_rank, local_size,
                             key_prefix=f"smp/torchelastic/attempt_{attempt}/")
         if world == 1:
-            return WorldEnv(source, rank, world, local_rank, local_size)
-        port = _int(env, "MASTER_PORT", "", default=0)
-        if port <= 0:
-            raise ConfigError(f"smp: environment MASTER_PORT is not set (RANK={rank}, "
-                              f"WORLD_SIZE={world}); set MASTER_ADDR and MASTER_PORT to rank "
-                              "0's host and a free port, or launch with smprun or torchrun")
-        return WorldEnv(source, rank, world, local_rank, local_size,
-                        env.get("MASTER_ADDR") or "127.0.0.1", port)
+            return WorldEnv("env", rank, world, local_rank, local_size)
+        return WorldEnv("env", rank, world, local_rank, local_size, e.master_addr,
+                        e.master_port)
     if env.get("OMPI_COMM_WORLD_RANK") not in (None, ""):
         return _openmpi(env)  # See Note [Open MPI before SLURM]
     if env.get("SLURM_PROCID") not in (None, ""):

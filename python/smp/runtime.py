@@ -22,18 +22,6 @@ from smp.timeline import timeline
 
 __all__ = []
 
-ConfigError = _C.ConfigError
-
-
-def _env_int(name, default):
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"smp: environment {name}='{value}' is not an integer") from None
-
 
 def _wait_for_listener(addr, port, timeout_s):
     """Returns once rank 0's store accepts connections (bounded by timeout_s).
@@ -78,8 +66,8 @@ def init(config=None):
     if dist.is_initialized():
         # The script initialised torch.distributed itself: join its world and store.
         rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = _env_int("LOCAL_RANK", rank)
-        local_size = _env_int("LOCAL_WORLD_SIZE", world)
+        local_rank = _C.env_int("LOCAL_RANK", rank)
+        local_size = _C.env_int("LOCAL_WORLD_SIZE", world)
         store = dist.distributed_c10d._get_default_store()
     else:
         where = launch_env.from_environment()

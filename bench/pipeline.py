@@ -377,6 +377,17 @@ def main():
                                           if v is not None]
     simple = pipelined(args.steps, "simple")
     out["peak_act_mb_simple"] = [round(v, 1) for v in simple["peak_act_mb"]]
+    # Each schedule smp runs, one run each (the interleaved figure is the rounds' median
+    # above), and the plans' modelled bubble (smp_core/plan.h, costs F = I = W = 1):
+    # zero_bubble is planned but not run yet (its W needs the backward split).
+    one_f_one_b = pipelined(args.steps, "1f1b")
+    out["smp_schedule_ms"] = {"interleaved": out["smp_ms"], "simple": round(simple["ms"], 1),
+                              "1f1b": round(one_f_one_b["ms"], 1)}
+    sys.path.insert(0, os.path.join(BUILD, "python"))
+    from smp import _C
+    out["plan_bubble_fraction"] = {
+        kind: round(_C.Plan(kind, M, S, S + 2).simulate()["bubble_fraction"], 3)
+        for kind in ("simple", "interleaved", "1f1b", "zero_bubble")}
     # pp=2 x dp=2 with ddp: the dp reduction overlapping the pipeline's backward (Note
     # [Pipeline overlap]) against reducing after the step, alternated in one run. Four
     # ranks share two cores here, so this measures the scheduling, not a speedup.

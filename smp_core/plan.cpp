@@ -51,6 +51,17 @@ struct Done {
       last_forward = std::max(last_forward, t);
     }
   }
+  // Finishes the running actions (finish time, action) that end by `t`.
+  void finish_due(std::vector<std::pair<int64_t, Action>>& running, int64_t t, int64_t hops) {
+    for (auto it = running.begin(); it != running.end();) {
+      if (it->first <= t) {
+        finish(it->second, it->first, hops);
+        it = running.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
 };
 
 // Note [Plan rules] (dependencies): forward hop h needs forward hop h-1; the backward
@@ -230,15 +241,7 @@ Plan Plan::compile(PlanOptions options) {
   for (const auto& p : pending) left += static_cast<int64_t>(p.size());
 
   while (left > 0) {
-    // Finish what ends by now.
-    for (auto it = running.begin(); it != running.end();) {
-      if (it->first <= t) {
-        done.finish(it->second, it->first, hops);
-        it = running.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    done.finish_due(running, t, hops);
     int64_t back = 0;  // microbatches whose backward is back at hop 0
     for (int64_t mb = 0; mb < m; ++mb) back += done.b[mb][0] <= t;
     bool started_any = false;
@@ -322,14 +325,7 @@ Plan::Timing Plan::simulate() const {
     return running.empty();
   };
   while (!all_done()) {
-    for (auto it = running.begin(); it != running.end();) {
-      if (it->first <= t) {
-        done.finish(it->second, it->first, hops);
-        it = running.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    done.finish_due(running, t, hops);
     if (all_done()) break;
     bool started_any = false;
     for (int64_t r = 0; r < ranks; ++r) {

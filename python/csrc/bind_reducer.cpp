@@ -9,6 +9,11 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <thread>
+
 #include "bindings.h"
 #include "hooks/builtin.h"
 #include "hooks/powersgd.h"
@@ -25,6 +30,23 @@ namespace smp::python {
 namespace {
 
 using release = py::call_guard<py::gil_scoped_release>;
+
+// Note [Python hooks at exit]: a Python hook's future usually comes from
+// `fut.then(fn)`. torch runs `fn` on a Gloo worker thread when the collective
+// completes, completes our future from inside it, and only then destroys its closure,
+// which drops `fn` and so must take the GIL. If the script ends in between (its last
+// step returned as soon as our future completed), that thread asks for the GIL while
+// the interpreter finalizes; CPython ends such a thread with pthread_exit, whose forced
+// unwind meets a noexcept frame: "terminate called without an active exception",
+// SIGABRT after a successful job (caught with a core: the thread was
+// c10d::ProcessGroupGloo::runLoop -> finishWorkGloo -> Future::markCompleted ->
+// ~PythonFunctionGuard -> gil_scoped_acquire). The closure also holds our future, so
+// it is gone when nobody but us holds the future: quiesce_python_hooks(), called at
+// exit (smp's atexit handler and smp.shutdown) with the GIL released, waits for that,
+// and the worker thread finishes with the interpreter still alive.
+class PythonCommHook;
+std::mutex python_hooks_mu;
+std::vector<std::weak_ptr<PythonCommHook>> python_hooks;  // live hooks, for the exit
 
 // A Python hook `hook(state, bucket) -> torch.futures.Future[Tensor]`.
 class PythonCommHook : public CommHook {
@@ -47,7 +69,9 @@ class PythonCommHook : public CommHook {
     try {
       py::object ret = hook_(state_, b);
       try {
-        return ret.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+        FuturePtr fut = ret.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+        remember(fut);
+        return fut;
       } catch (const py::cast_error&) {
         throw std::runtime_error(str_cat(
             name_, " returned ", py::str(py::type::of(ret)).cast<std::string>(),
@@ -73,10 +97,67 @@ class PythonCommHook : public CommHook {
 
   std::string name() const override { return name_; }
 
+  // Note [Python hooks at exit]: waits until every future this hook returned is held
+  // by this hook alone, or until `deadline` (a future the user's code still holds).
+  // Returns how many were still held elsewhere then, and forgets them. Call without
+  // the GIL.
+  size_t quiesce(std::chrono::steady_clock::time_point deadline) {
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        prune_locked();
+        if (recent_.empty() || std::chrono::steady_clock::now() >= deadline) {
+          const size_t left = recent_.size();
+          recent_.clear();
+          return left;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
  private:
+  void remember(const FuturePtr& fut) {
+    std::lock_guard<std::mutex> lock(mu_);
+    prune_locked();
+    recent_.push_back(fut);
+  }
+  // Drops the futures nobody else holds (their producers' closures are gone).
+  void prune_locked() {
+    recent_.erase(std::remove_if(recent_.begin(), recent_.end(),
+                                 [](const FuturePtr& f) {
+                                   return f->completed() && f.use_count() == 1;
+                                 }),
+                  recent_.end());
+  }
+
   py::object state_, hook_;
   std::string name_;
+  std::mutex mu_;
+  std::vector<FuturePtr> recent_;
 };
+
+// Note [Python hooks at exit]: returns once no Python hook's future is held by anyone
+// but the hook (the thread that completed it has dropped its callback), or after
+// `timeout_s`; returns how many futures were still held elsewhere then.
+size_t quiesce_python_hooks(double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s));
+  std::vector<std::shared_ptr<PythonCommHook>> live;
+  {
+    std::lock_guard<std::mutex> lock(python_hooks_mu);
+    for (const auto& w : python_hooks)
+      if (auto h = w.lock()) live.push_back(std::move(h));
+  }
+  size_t left = 0;
+  for (const auto& h : live) left += h->quiesce(deadline);
+  // `live` may hold the last reference to a hook: drop it with the GIL (its
+  // destructor takes it; the caller released it).
+  py::gil_scoped_acquire gil;
+  live.clear();
+  return left;
+}
 
 // A built-in hook as a Python object: callable like any hook, recognised by
 // Reducer.register_comm_hook, which then runs the C++ hook instead.
@@ -208,7 +289,13 @@ CommHookPtr to_comm_hook(const py::object& state, const py::object& hook) {
   if (!PyCallable_Check(hook.ptr()))
     throw ConfigError(str_cat("smp: register_comm_hook: hook=",
                               py::repr(hook).cast<std::string>(), " is not callable"));
-  return std::make_shared<PythonCommHook>(state, hook);
+  auto made = std::make_shared<PythonCommHook>(state, hook);
+  std::lock_guard<std::mutex> lock(python_hooks_mu);
+  python_hooks.erase(std::remove_if(python_hooks.begin(), python_hooks.end(),
+                                    [](const auto& w) { return w.expired(); }),
+                     python_hooks.end());
+  python_hooks.push_back(made);
+  return made;
 }
 
 BuiltinHook make_builtin(const std::string& name, py::object inner) {
@@ -324,6 +411,10 @@ void bind_reducer(py::module_& m) {
     return make_builtin("bf16_compress_wrapper", std::move(hook));
   }, py::arg("hook"), "Wraps `hook`: it runs on a bfloat16 copy of the bucket.");
   m.def("builtin_hook_names", &hooks::builtin_hook_names);
+  m.def("quiesce_python_hooks", &quiesce_python_hooks, release(), py::arg("timeout_s"),
+        "At exit: waits until no Gloo thread still holds a Python comm hook's callback "
+        "(Note [Python hooks at exit]); returns how many of the hooks' futures were "
+        "still held elsewhere when `timeout_s` ran out.");
   m.def("run_on_torch_bucket", &run_on_torch_bucket, py::arg("hook"), py::arg("state"),
         py::arg("bucket"), py::arg("default_group"), py::arg("queue_group"),
         py::arg("channel_size") = 512,

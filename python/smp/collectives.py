@@ -2,7 +2,6 @@
 point-to-point (send, recv_from, broadcast) through the store. Objects are pickled
 here; C++ moves the bytes (smp_core/comm.h) after checking that every member is about
 to make the same call (Note [Call agreement] in smp_core/call_agreement.h)."""
-import atexit
 import contextlib
 import pickle
 import sys
@@ -63,18 +62,16 @@ def agree_call(group, default):
         _C.agree_call(name, _call_name(default))
 
 
-def _mark_exited():
-    """atexit: ranks waiting for this one in an smp call raise at once, naming how it
-    ended; rank 0 (the store's host under smprun) lingers briefly so they can read it."""
+def mark_exited():
+    """At exit (smp.runtime's handler): ranks waiting for this one in an smp call raise
+    at once, naming how it ended; rank 0 (the store's host under smprun) lingers
+    briefly so they can read it."""
     try:  # also drops C++'s reference to the store (after smp.shutdown too)
         exc = getattr(sys, "last_value", None)
         how = "exited" if exc is None else f"failed ({type(exc).__name__}: {exc})"
         _C.mark_exited(how, 5.0 if state.initialized and state.rank == 0 else 0.0)
     except Exception:  # the store is gone: nobody is left to read it
         pass
-
-
-atexit.register(_mark_exited)
 
 
 def barrier(group=CommGroup.WORLD):

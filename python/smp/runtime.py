@@ -10,6 +10,7 @@ import atexit
 import datetime
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import torch.distributed as dist
@@ -101,14 +102,55 @@ def init(config=None):
     atexit.register(timeline.close)
 
 
+def _quiesce_native_threads():
+    """No native thread may need the GIL once the interpreter finalizes (Note [Python
+    hooks at exit] in python/csrc/bind_reducer.cpp): a Gloo thread that completed a
+    Python comm hook's future drops the hook's callback right after; wait for that,
+    the GIL released."""
+    try:
+        _C.quiesce_python_hooks(2.0)
+    except Exception:  # never let the exit path raise
+        pass
+
+
 def shutdown():
-    """Tears down smp's groups (tests and scripts that re-initialise)."""
+    """Tears down smp's groups (tests and scripts that re-initialise; at exit, smp does
+    it for a script that did not, see _at_exit)."""
     if not state.initialized:
         return
     if state.model is not None:
         state.model._shutdown()
+    _quiesce_native_threads()
     timeline.close()
     _C.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
     state.__init__()
+
+
+# Note [Clean exit]: a native thread that needs the GIL after the interpreter began to
+# finalize is ended by CPython with pthread_exit, whose forced unwind aborts the
+# process ("terminate called without an active exception", SIGABRT) after a job that
+# succeeded. Two such threads were caught with cores, both Gloo workers
+# (c10d::ProcessGroupGloo::runLoop): one dropping a Python comm hook's callback after
+# completing its future (Note [Python hooks at exit]), one destroying a finished
+# allreduce's work object, whose tensor's Python object needs the GIL to be freed
+# (`dist.all_reduce(t)` as a script's last line). So at exit, before finalization:
+# the hooks' callbacks are waited for; ranks waiting for this one are told it exited;
+# and, after a script that ended cleanly without smp.shutdown(), smp shuts down:
+# torch.distributed's groups are destroyed, which joins each Gloo group's worker
+# threads (torch destroys a group with the GIL released), and the pipeline's and the
+# reducers' threads stop. After a failure the groups are left to the process's end:
+# a collective the failed rank left behind could keep the join waiting.
+def _at_exit():
+    from smp import collectives
+    _quiesce_native_threads()
+    collectives.mark_exited()
+    if state.initialized and getattr(sys, "last_value", None) is None:
+        try:
+            shutdown()
+        except Exception:  # never let the exit path raise
+            pass
+
+
+atexit.register(_at_exit)

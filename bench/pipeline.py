@@ -147,6 +147,7 @@ def run_pipeline(steps, overlap=True):
         opt.step()
         opt.zero_grad()
     s0 = model._engine.p2p.stats()
+    d0 = model._engine.dispatch.stats()
     c0 = model._engine.compute_s
     start = time.perf_counter()
     for _ in range(steps):
@@ -155,7 +156,10 @@ def run_pipeline(steps, overlap=True):
         opt.zero_grad()
     ms = (time.perf_counter() - start) / steps * 1e3
     s1 = model._engine.p2p.stats()
+    d1 = model._engine.dispatch.stats()
     c1 = model._engine.compute_s
+    # Python<->C++ crossings through the dispatcher per microbatch (issue 21: <= 3).
+    crossings = round((d1.crossings - d0.crossings) / max(d1.microbatches - d0.microbatches, 1), 2)
     # The pp x dp runs report ms only; with ddp a backward outside @smp.step is refused.
     work = reference_work_ms(net, model, steps) if smp.dp_size() == 1 else None
     # Per request served on a stage rank (the driver runs the step body, not requests):
@@ -176,6 +180,7 @@ def run_pipeline(steps, overlap=True):
     overheads = smp.allgather(overhead)
     dispatches = smp.allgather(dispatch)
     works = smp.allgather(work)
+    crossings = smp.allgather(crossings)
     plan = model.partition_plan()
     split = [plan[str(i)]["partition"] for i in range(len(net))]
     if smp.rank() == 0:
@@ -183,6 +188,7 @@ def run_pipeline(steps, overlap=True):
                                       "split": split,
                                       "param_mb": params, "request_overhead_ms": overheads,
                                       "request_dispatch_ms": dispatches,
+                                      "crossings_per_microbatch": crossings,
                                       "work_ms": works}))
 
 
@@ -375,6 +381,7 @@ def main():
                                           if v is not None]
             out["request_overhead_ms"] = [v for p in pipes for v in p["request_overhead_ms"]
                                           if v is not None]
+            out["crossings_per_microbatch"] = pipes[0]["crossings_per_microbatch"]
     simple = pipelined(args.steps, "simple")
     out["peak_act_mb_simple"] = [round(v, 1) for v in simple["peak_act_mb"]]
     # Each schedule smp runs, one run each (the interleaved figure is the rounds' median

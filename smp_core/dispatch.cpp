@@ -87,6 +87,9 @@ struct Dispatcher::Impl {
   // The serving thread that leads, per thread (a thread leads at most one dispatcher).
   static thread_local Impl* leading;
 
+  std::atomic<int64_t> crossings{0};  // Stats::crossings
+  void crossed(int64_t n = 1) { crossings.fetch_add(n, std::memory_order_relaxed); }
+
   // Runs `body` on a new thread of the step; `active` counts it until it returns.
   void start(std::function<void()> body) {
     {
@@ -94,6 +97,7 @@ struct Dispatcher::Impl {
       ++active;
     }
     try {
+      crossed();
       spawn([this, body = std::move(body)] {
         try {
           body();
@@ -140,6 +144,7 @@ struct Dispatcher::Impl {
     if (!installed) task_rng::install(msg.rng);
     Message answer;
     try {
+      crossed();
       answer = handler(msg);
     } catch (const std::exception& e) {
       answer_error(msg, e.what());
@@ -350,7 +355,9 @@ Dispatcher::~Dispatcher() {
 const Schedule& Dispatcher::schedule() const { return impl_->schedule; }
 
 void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_cuda) {
+  impl_->crossed();
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->stats.microbatches += std::max<int64_t>(microbatches, 0);
   impl_->rng_streams = deterministic;
   impl_->rng_cuda = rng_cuda;
   // Every rank draws (only the driver's seed is used), so the ranks' own generators
@@ -372,6 +379,7 @@ void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_c
 
 void Dispatcher::drive(MicrobatchFn run) {
   auto& I = *impl_;
+  I.crossed();
   const int64_t n = I.microbatches;
   // Note [Microbatch random streams]: one seed per step from the default generator
   // (begin_step); outside the step the generators are as they were after drawing it.
@@ -408,6 +416,7 @@ void Dispatcher::drive(MicrobatchFn run) {
           I.cv.notify_all();
         }
       } done{I, mb};
+      I.crossed();
       run(mb);
     }
   };
@@ -428,6 +437,7 @@ void Dispatcher::drive(MicrobatchFn run) {
 
 Message Dispatcher::serve_step() {
   auto& I = *impl_;
+  I.crossed();
   const RestoreRng outer(I.rng_streams, I.rng_cuda);  // requests run from their own streams
   if (I.ordering) {  // Note [Gradient order]: microbatches with no backward work here
     std::vector<int64_t> idle;
@@ -461,6 +471,7 @@ Message Dispatcher::serve_step() {
 Message Dispatcher::call(int dst, Message request, int32_t kind, bool backward,
                          const std::string& what, bool for_holder) {
   auto& I = *impl_;
+  I.crossed();
   if (I.rng_streams) request.rng = task_rng::capture(I.rng_cuda);
   const int64_t mb = request.mb, call_id = request.call_id;
   I.p2p->send(dst, request);
@@ -507,10 +518,13 @@ void Dispatcher::order_gradients(const std::vector<at::Tensor>& params) {
 
 Dispatcher::Stats Dispatcher::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->stats;
+  Stats s = impl_->stats;
+  s.crossings = impl_->crossings.load();
+  return s;
 }
 
 void Dispatcher::forward_finished(int64_t mb) {
+  impl_->crossed();
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->forwards_done.insert(mb);
   impl_->cv.notify_all();
@@ -518,6 +532,7 @@ void Dispatcher::forward_finished(int64_t mb) {
 
 void Dispatcher::wait_all_forwards(int64_t mb) {
   auto& I = *impl_;
+  I.crossed();
   if (!I.schedule.forwards_before_backwards()) return;
   I.p2p->release_token();
   bool done;

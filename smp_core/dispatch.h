@@ -125,6 +125,13 @@ class Dispatcher {
     // first such step waits for the driver's word on each microbatch instead).
     int64_t ordered_waits = 0;
     int64_t unplanned_steps = 0;
+    // Python<->C++ crossings through this Dispatcher: each entry from Python (call,
+    // begin_step, drive, serve_step, forward_finished, wait_all_forwards) and each
+    // callback into Python (a request's handler, a microbatch's step body, a thread
+    // asked of spawn); and the microbatches of the steps begun, to count them per
+    // microbatch (issue 21's target: at most 3).
+    int64_t crossings = 0;
+    int64_t microbatches = 0;
   };
   Stats stats() const;
 

@@ -198,7 +198,9 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("handler_s", &Dispatcher::Stats::handler_s)
       .def_readonly("send_s", &Dispatcher::Stats::send_s)
       .def_readonly("ordered_waits", &Dispatcher::Stats::ordered_waits)
-      .def_readonly("unplanned_steps", &Dispatcher::Stats::unplanned_steps);
+      .def_readonly("unplanned_steps", &Dispatcher::Stats::unplanned_steps)
+      .def_readonly("crossings", &Dispatcher::Stats::crossings)
+      .def_readonly("microbatches", &Dispatcher::Stats::microbatches);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
                        py::function handler, py::function spawn, py::object encode_error) {

@@ -212,3 +212,22 @@ def test_shim_is_the_same_module():
     for name in ("WORLD", "PP_GROUP", "DP_GROUP", "MP_GROUP", "TP_GROUP", "RDP_GROUP"):
         assert getattr(smp, name) is getattr(smp.CommGroup, name)
     assert smp.amp.GradScaler().is_enabled() is False  # CPU: pass-through
+
+
+def test_exit_shuts_down_a_script_that_did_not(ranks):
+    # Note [Clean exit] (python/smp/runtime.py): after a clean end, smp's atexit handler
+    # shuts smp down and destroys torch.distributed's groups (joining Gloo's workers)
+    # before the interpreter finalizes. A handler registered before smp's runs after
+    # it and sees what it left.
+    script = """
+import atexit
+import torch, torch.distributed as dist
+atexit.register(lambda: print("AT_EXIT", dist.is_initialized(), flush=True))
+import smp
+smp.init()
+t = torch.ones(1)
+dist.all_reduce(t)  # a script's last collective, then its end
+print("SUM", t.item(), flush=True)
+"""
+    for r in ranks(script, 2):
+        assert "SUM 2.0" in r.stdout and "AT_EXIT False" in r.stdout, r.stdout

@@ -1,3 +1,8 @@
+// The reducer's core: construction (checks, buckets, autograd hooks), arming a
+// synchronized backward, copying gradients into buckets as they become ready,
+// launching buckets in order, and finalize(). The rest of Reducer::Impl
+// (detail/reducer_impl.h) is split by concept: detail/reducer_default_hooks.cpp,
+// detail/reducer_rebuild.cpp, detail/reducer_shadow.cpp, detail/reducer_pipeline.cpp.
 #include "smp_core/reducer.h"
 
 #include <ATen/ATen.h>
@@ -19,230 +24,33 @@
 #include "smp_core/comm_queue.h"
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/autograd_graph.h"
-#include "smp_core/device_sync.h"
+#include "smp_core/detail/reducer_impl.h"
 #include "smp_core/detail/shm_allreduce.h"
+#include "smp_core/device_sync.h"
 #include "smp_core/errors.h"
 
 namespace smp {
-namespace {
 
-using Clock = std::chrono::steady_clock;
+namespace detail {
 
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
-std::string describe(const at::Tensor& t) {
+std::string describe_tensor(const at::Tensor& t) {
   std::ostringstream os;
   os << c10::toString(t.scalar_type()) << t.sizes();
   if (!t.device().is_cpu()) os << "@" << t.device();
   return os.str();
 }
 
-// The default hook: sums the buffer; the 1/world_size factor is fused into the copy
-// of each gradient into the bucket (one pass over the gradient instead of two).
-class SumAllreduceHook : public CommHook {
- public:
-  FuturePtr run(GradBucket& bucket) override {
-    return allreduce_flat(bucket.process_group(), bucket.buffer());
-  }
-  std::string name() const override { return "allreduce"; }
-  bool issues_all_in_run() const override { return true; }
-};
-
-// The default hook when the ranks share this host: see Note [Shared-memory bucket
-// reduction] (detail/shm_allreduce.cpp). Synchronous: the sum is done when run() returns.
-class ShmSumHook : public CommHook {
- public:
-  ShmSumHook(std::shared_ptr<detail::ShmArena> arena, std::vector<size_t> offsets,
-             double timeout_s, std::string group, std::shared_ptr<std::atomic<int64_t>> steps)
-      : arena_(std::move(arena)), offsets_(std::move(offsets)), timeout_s_(timeout_s),
-        group_(std::move(group)), steps_(std::move(steps)) {}
-  FuturePtr run(GradBucket& bucket) override {
-    const at::Tensor& buf = bucket.buffer();
-    arena_->allreduce(offsets_.at(bucket.index()), buf.numel(), buf.scalar_type(),
-                      bucket.is_shadow(), timeout_s_,
-                      str_cat("bucket ", bucket.index(), " of ", bucket.bucket_count(),
-                              " (shared memory) on ", group_, " in step ",
-                              steps_->load() + 1));
-    return completed_future(buf);
-  }
-  std::string name() const override { return "allreduce (shared memory)"; }
-  bool issues_all_in_run() const override { return true; }
-
- private:
-  std::shared_ptr<detail::ShmArena> arena_;
-  std::vector<size_t> offsets_;  // per bucket, bytes into this rank's slot
-  double timeout_s_;
-  std::string group_;
-  std::shared_ptr<std::atomic<int64_t>> steps_;  // the reducer's steps_run
-};
-
-size_t align64(size_t n) { return (n + 63) / 64 * 64; }
-
-// True if `grad` is exactly `view` (same memory, shape and strides).
 bool is_view_of(const at::Tensor& grad, const at::Tensor& view) {
   return grad.defined() && grad.is_alias_of(view) && grad.data_ptr() == view.data_ptr() &&
          grad.sizes() == view.sizes() && grad.strides() == view.strides();
 }
 
-struct Bucket {
-  at::Tensor buffer;               // flat, contiguous
-  std::vector<int64_t> params;     // parameter indices, in buffer order
-  std::vector<at::Tensor> tensors; // the parameters themselves (for GradBucket)
-  std::vector<int64_t> offsets;
-  std::vector<at::Tensor> views;   // views[j]: buffer slice shaped like params[j]
-  size_t pending = 0;              // gradients not yet ready this step
-};
+}  // namespace detail
 
-// One bucket's communication in one step; shared with its comm-thread task.
-struct BucketRun {
-  std::shared_ptr<GradBucket> bucket;
-  FuturePtr future;  // the hook's
-  at::Tensor result;  // set once the future completed and the hook's result() ran
-  Clock::time_point start;
-  std::shared_ptr<std::atomic<int64_t>> done_ns = std::make_shared<std::atomic<int64_t>>(0);
-  double comm_ms() const {
-    int64_t d = done_ns->load();
-    auto end = d ? Clock::time_point(Clock::duration(d)) : Clock::now();
-    return std::chrono::duration<double, std::milli>(end - start).count();
-  }
-};
-
-}  // namespace
-
-struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
-  enum class Phase { kIdle, kAccumulate, kSync };
-
-  std::vector<at::Tensor> params;
-  ProcessGroupPtr pg;
-  ReducerOptions opts;
-  int rank = 0, world = 1;
-  std::string group;  // "the dp process group (gloo, rank 0 of 2)"
-
-  std::vector<compat::GradAccumulatorPtr> accumulators;  // kept alive
-  std::vector<uintptr_t> hook_keys;
-  std::unordered_map<const torch::autograd::Node*, int64_t> node_index;
-
-  CommHookPtr hook = std::make_shared<SumAllreduceHook>();
-  bool default_hook = true;
-  std::unique_ptr<CommQueue> queue;
-  std::shared_ptr<detail::ShmArena> arena;  // null: reduce through the process group
-  size_t bitmap_offset = 0;                 // of the bitmap in this rank's arena slot
-
-  mutable std::mutex mu;
-  std::vector<std::vector<int64_t>> layout;
-  std::vector<Bucket> buckets;
-  std::vector<std::pair<int64_t, int64_t>> where;  // param -> (bucket, position)
-  Phase phase = Phase::kIdle;
-  bool started = false;
-  std::string broken;  // first failure; the reducer refuses further steps
-
-  // The step in flight.
-  at::Tensor scale;  // wrapped-number scalar of the copy-in factor
-  double factor = 1.0;
-  std::vector<char> ready, used;
-  size_t next_launch = 0;
-  bool tail_launched = false;
-  std::vector<std::shared_ptr<BucketRun>> runs;
-  std::vector<CommQueue::TicketPtr> tickets;
-  at::Tensor bitmap;
-  CommQueue::TicketPtr bitmap_ticket;
-  at::Tensor order;
-  CommQueue::TicketPtr order_ticket;
-  double copy_in_ms = 0;
-  int64_t early_buckets = 0;
-  double first_launch_s = 0;
-
-  // Pipeline steps (Note [Pipeline overlap]).
-  bool pipeline = false;                  // this sync step is a pipeline step
-  bool finalizing = false;                // finalize() has begun (the tail may launch)
-  std::vector<int64_t> fires;             // accumulator fires this step
-  std::vector<int64_t> expected_fires;    // fires of the last pipeline step (empty: none)
-  std::vector<char> hold;                 // ready only in finalize (tied weights)
-  int64_t stale = 0;                      // fires after a parameter was copied out
-  int active_ranks = 0;  // 0: divide by world (see set_active_ranks)
-  // Synchronized + shadow steps finished or failed; shared with ShmSumHook's errors.
-  std::shared_ptr<std::atomic<int64_t>> steps_done = std::make_shared<std::atomic<int64_t>>(0);
-
-  // Gradient order of the first step (Note [Bucket rebuild]).
-  bool recording = true;
-  std::vector<char> seen;
-  std::vector<int64_t> ready_order;
-  bool rebuild_pending = true;
-  bool rebuilt = false;
-  ReducerStats stats;
-
-  Impl(std::vector<at::Tensor> ps, ProcessGroupPtr g, ReducerOptions o)
-      : params(std::move(ps)), pg(std::move(g)), opts(std::move(o)) {}
-
-  void init();
-  void verify_across_ranks(const std::vector<int64_t>& order);
-  void build_buckets(std::vector<std::vector<int64_t>> new_layout);
-  void make_arena(const std::vector<std::vector<int64_t>>& for_layout);
-  void on_grad_ready(int64_t i);
-  void mark_ready_locked(int64_t i);
-  void launch_ready_locked();
-  void launch_locked(size_t b, bool shadow);
-  void await_bucket(size_t b, const CommQueue::TicketPtr& ticket);
-  void write_back(size_t b, const int32_t* global);
-  void submit_order_locked();
-  std::vector<int64_t> layout_order() const;
-  bool apply_order();
-  void prepare(bool sync, double grad_scale, const std::vector<at::Tensor>& outputs,
-               const std::vector<int64_t>* held = nullptr);
-  void prepare_pipeline(double grad_scale, const std::vector<int64_t>& held);
-  void redo_all_locked();
-  ReducerStats finalize();
-  void shadow_step(bool failed = false);
-  void shutdown();
-
-  // Note [Failed rank]: the last slot of the used bitmap carries, below bit 20, the
-  // count of late gradients (Note [Pipeline overlap]) and, from bit 20 up, one bit per
-  // rank (ranks < 11) that could not run its step; any other rank then fails alike.
-  static constexpr int kFailedShift = 20;
-  static int32_t failed_flag(int r) { return r < 11 ? (int32_t{1} << (kFailedShift + r)) : (int32_t{1} << 30); }
-  static int32_t stale_count(int32_t slot) { return slot & ((int32_t{1} << kFailedShift) - 1); }
-  void check_failed_ranks() {
-    const int32_t slot = bitmap.data_ptr<int32_t>()[params.size()];
-    if ((slot >> kFailedShift) == 0) return;
-    std::string who;
-    for (int r = 0; r < 11 && r < world; ++r)
-      if (slot & failed_flag(r)) who += str_cat(who.empty() ? "" : ",", r);
-    if (who.empty()) who = ">= 11";
-    throw CommError(str_cat("smp: ", opts.group_name, " rank(s) ", who, " of ", group,
-                            " could not run step ", steps_done->load() + 1,
-                            " (see the error raised there, e.g. a bad input); every rank "
-                            "of the group stops here"));
-  }
-
-  void check_usable() const {
-    if (!broken.empty())
-      throw CommError(str_cat("smp: the reducer of ", group,
-                              " is unusable after an earlier failure: ", broken));
-  }
-  // A rank that ran out of data while its peers go on leaves them waiting, or exits
-  // under them: a timeout of a step, or a peer that exited or closed its connections
-  // in one, says what to do about uneven inputs.
-  [[noreturn]] static void rethrow_with_hint(const std::exception& e) {
-    static const char* kHint =
-        " (if the ranks have different numbers of batches (uneven inputs), train inside "
-        "`with model.join():` or `with smp.join.Join([model, optimizer]):`)";
-    if (dynamic_cast<const TimeoutError*>(&e) != nullptr)
-      throw TimeoutError(str_cat(e.what(), kHint));
-    const std::string msg = e.what();
-    if (dynamic_cast<const CommError*>(&e) != nullptr &&
-        (msg.find(" exited without reaching it") != std::string::npos ||
-         msg.find("Connection closed") != std::string::npos ||
-         msg.find("Connection reset") != std::string::npos))
-      throw CommError(str_cat(msg, kHint));
-    throw;
-  }
-  std::string bucket_what(size_t b) const {
-    return str_cat("bucket ", b, " of ", buckets.size(), " (comm hook '", hook->name(),
-                   "') on ", group, " in step ", steps_done->load() + 1);
-  }
-};
+using detail::align64;
+using detail::is_view_of;
+using detail::ms_since;
+using Clock = detail::Clock;
 
 // --- construction -----------------------------------------------------------------
 
@@ -260,7 +68,7 @@ void Reducer::Impl::init() {
       throw ConfigError(str_cat("smp: Reducer: parameter ", i, " is not a leaf tensor that "
                                 "requires grad (only those have gradients to reduce)"));
     if (p.is_sparse())
-      throw ConfigError(str_cat("smp: Reducer: parameter ", i, " (", describe(p),
+      throw ConfigError(str_cat("smp: Reducer: parameter ", i, " (", detail::describe_tensor(p),
                                 ") is sparse; only dense parameters are supported"));
     if (!distinct.insert(p.unsafeGetTensorImpl()).second)
       throw ConfigError(str_cat("smp: Reducer: parameter ", i, " is given twice"));
@@ -311,7 +119,7 @@ void Reducer::Impl::verify_across_ranks(const std::vector<int64_t>& order) {
      << " rebuild_buckets=" << opts.rebuild_buckets
      << " shared_memory=" << opts.shared_memory << " expected_order=";
   for (size_t k = 0; k < order.size(); ++k) os << (k ? "," : "") << order[k];
-  for (const auto& p : params) os << "\n" << describe(p);
+  for (const auto& p : params) os << "\n" << detail::describe_tensor(p);
   auto all = allgather_bytes(pg, os.str(), opts.timeout_s,
                              "the parameter check of the Reducer on " + group);
   auto lines = [](const std::string& s) {
@@ -414,9 +222,8 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
     bitmap = at::zeros({n + 1}, at::kInt);  // the last slot: Note [Pipeline overlap]
   }
   if (default_hook)
-    hook = arena ? CommHookPtr(std::make_shared<ShmSumHook>(arena, offsets, opts.timeout_s, group,
-                                                             steps_done))
-                 : CommHookPtr(std::make_shared<SumAllreduceHook>());
+    hook = arena ? detail::make_shm_sum_hook(arena, offsets, opts.timeout_s, group, steps_done)
+                 : detail::make_sum_allreduce_hook();
   buckets = std::move(fresh);
   layout = std::move(new_layout);
   runs.assign(buckets.size(), nullptr);
@@ -469,19 +276,8 @@ void Reducer::Impl::prepare(bool sync, double grad_scale, const std::vector<at::
   finalizing = false;
   early_buckets = 0;
   first_launch_s = 0;
-  if (pipeline) {  // Note [Pipeline overlap]
-    stale = 0;
-    fires.assign(params.size(), 0);
-    hold.assign(params.size(), opts.gradient_as_bucket_view ? 1 : 0);
-    for (int64_t i : *held) {
-      SMP_CHECK(i >= 0 && i < static_cast<int64_t>(params.size()), "Reducer: held parameter ",
-                i, " out of range");
-      hold[i] = 1;
-    }
-    // A parameter that no backward of the last step touched is final already.
-    if (!expected_fires.empty())
-      for (size_t i = 0; i < params.size(); ++i)
-        if (!hold[i] && expected_fires[i] == 0) mark_ready_locked(static_cast<int64_t>(i));
+  if (pipeline) {
+    arm_pipeline_locked(*held);  // Note [Pipeline overlap]
   } else {
     std::vector<char> reachable(params.size(), 0);
     if (!outputs.empty()) detail::mark_reachable(outputs, node_index, reachable);
@@ -491,33 +287,6 @@ void Reducer::Impl::prepare(bool sync, double grad_scale, const std::vector<at::
   if (opts.overlapping) launch_ready_locked();
 }
 
-// Note [Pipeline overlap]: with partitions > 1 a rank runs the backward of each
-// microbatch's calls separately, so a parameter's accumulator fires once per call of
-// its module per microbatch, and its gradient is final after the last of them. The
-// reducer counts the fires of each synchronized pipeline step and, from the next one
-// on, takes a parameter as ready when its count reaches the last step's: its bucket
-// then launches while the rest of the pipeline's backward runs. The tail (the
-// used-parameter bitmap) waits for finalize(); its last slot carries the number of
-// fires that came after their parameter was copied out (a module called more often
-// than in the step before). If any rank saw one, every rank discards the step's
-// results and reduces every gradient again from .grad, which still holds the local
-// sums (results are written back only after that check). Held parameters (tied
-// weights, summed across pp ranks after the step) are ready only in finalize(), as
-// is everything with gradient_as_bucket_view (the bucket would alias .grad).
-void Reducer::Impl::prepare_pipeline(double grad_scale, const std::vector<int64_t>& held) {
-  prepare(true, grad_scale, {}, &held);
-}
-
-// Every bucket again from .grad (the tail is not sent again). Holds mu.
-void Reducer::Impl::redo_all_locked() {
-  std::fill(ready.begin(), ready.end(), 0);
-  std::fill(used.begin(), used.end(), 0);
-  for (auto& bk : buckets) bk.pending = bk.params.size();
-  next_launch = 0;
-  for (size_t i = 0; i < params.size(); ++i) mark_ready_locked(static_cast<int64_t>(i));
-  while (next_launch < buckets.size()) launch_locked(next_launch++, false);
-}
-
 void Reducer::Impl::on_grad_ready(int64_t i) {
   std::lock_guard<std::mutex> lock(mu);
   if (recording && !seen[i]) {
@@ -525,19 +294,13 @@ void Reducer::Impl::on_grad_ready(int64_t i) {
     ready_order.push_back(i);
   }
   if (phase != Phase::kSync) return;
-  if (pipeline) {  // Note [Pipeline overlap]
-    ++fires[i];
-    if (ready[i]) {
-      ++stale;
-    } else if (!hold[i] && !expected_fires.empty() && fires[i] == expected_fires[i]) {
-      mark_ready_locked(i);
-      if (opts.overlapping) launch_ready_locked();
-    }
+  if (pipeline) {
+    on_pipeline_fire_locked(i);  // Note [Pipeline overlap]
     return;
   }
   if (ready[i])
     throw std::logic_error(str_cat(
-        "smp: Reducer: the gradient of parameter ", i, " (", describe(params[i]),
+        "smp: Reducer: the gradient of parameter ", i, " (", detail::describe_tensor(params[i]),
         ") became ready twice in one synchronized backward: run one backward per "
         "prepare_for_backward(sync=True), and pass it every output the backward starts "
         "from"));
@@ -607,7 +370,7 @@ void Reducer::Impl::launch_locked(size_t b, bool shadow) {
     if (early_buckets++ == 0)
       first_launch_s = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
   }
-  auto run = std::make_shared<BucketRun>();
+  auto run = std::make_shared<detail::BucketRun>();
   run->bucket = std::make_shared<GradBucket>(
       b, buckets.size(), shadow ? at::zeros_like(bk.buffer) : bk.buffer, bk.tensors,
       bk.offsets, pg, shadow);
@@ -646,7 +409,7 @@ void Reducer::Impl::await_bucket(size_t b, const CommQueue::TicketPtr& ticket) {
   // Each task bounds its own waits by timeout_s and names what it awaited; the slack
   // lets that message win.
   queue->wait(ticket, opts.timeout_s + 1.0);
-  BucketRun& run = *runs[b];
+  detail::BucketRun& run = *runs[b];
   if (run.result.defined()) return;
   std::string what = bucket_what(b);
   try {
@@ -667,7 +430,7 @@ void Reducer::Impl::write_back(size_t b, const int32_t* global) {
   const at::Tensor& r = runs[b]->result;
   if (!r.defined() || r.numel() != bk.buffer.numel())
     throw CommError(str_cat("smp: comm hook '", hook->name(), "' returned ",
-                            r.defined() ? describe(r) : "no tensor", " for ", bucket_what(b),
+                            r.defined() ? detail::describe_tensor(r) : "no tensor", " for ", bucket_what(b),
                             ", which holds ", bk.buffer.numel(), " elements"));
   const bool same =
       r.data_ptr() == bk.buffer.data_ptr() && r.scalar_type() == bk.buffer.scalar_type();
@@ -687,52 +450,6 @@ void Reducer::Impl::write_back(size_t b, const int32_t* global) {
     if (!grad.defined()) grad = at::empty(p.sizes(), p.options().requires_grad(false));
     grad.copy_(src);
   }
-}
-
-// The order every rank rebuilds with is dp rank 0's: the gradients it saw become
-// ready first, then the rest in the current layout's order.
-void Reducer::Impl::submit_order_locked() {
-  std::vector<int64_t> o = ready_order;
-  std::vector<char> in(params.size(), 0);
-  for (int64_t i : o) in[i] = 1;
-  for (int64_t i : layout_order())
-    if (!in[i]) o.push_back(i);
-  order = at::tensor(o, at::kLong);
-  recording = false;
-  auto what = "the bucket rebuild order broadcast on " + group;
-  order_ticket = queue->submit(what, [g = pg, t = order, s = opts.timeout_s, what] {
-    std::vector<at::Tensor> v{t};
-    c10d::BroadcastOptions bo;
-    bo.rootRank = 0;
-    wait_work(g->broadcast(v, bo), s, what);
-  });
-}
-
-std::vector<int64_t> Reducer::Impl::layout_order() const {
-  std::vector<int64_t> o;
-  for (const auto& b : layout) o.insert(o.end(), b.begin(), b.end());
-  return o;
-}
-
-// Note [Bucket rebuild]: the buckets of the first step follow expected_order (or the
-// reverse registration order). The order the grad accumulators actually fired in
-// during the first step is recorded; at its end dp rank 0's order is broadcast through
-// the comm queue (a point every rank reaches in the same sequence) and every rank
-// recomputes the same layout from it, once.
-bool Reducer::Impl::apply_order() {
-  rebuild_pending = false;
-  if (!order.defined()) return false;
-  std::vector<int64_t> o(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
-  order = at::Tensor();
-  auto fresh = compute_bucket_assignment(params, o, opts.bucket_cap_bytes,
-                                         opts.first_bucket_bytes);
-  if (fresh == layout) return false;
-  // Collective: every rank reaches this point in the same sequence (the queue is idle).
-  // A fresh segment: the gradients move from the old buckets into the new ones.
-  if (arena) make_arena(fresh);
-  build_buckets(std::move(fresh));
-  rebuilt = true;
-  return true;
 }
 
 ReducerStats Reducer::Impl::finalize() {
@@ -759,27 +476,8 @@ ReducerStats Reducer::Impl::finalize() {
 
     at::NoGradGuard no_grad;
     st.wait_ms = st.write_back_ms = st.comm_ms = 0;
-    if (pipeline) {  // Note [Pipeline overlap]: check the stale count before writing back
-      auto t0 = Clock::now();
-      for (size_t b = 0; b < waits.size(); ++b) await_bucket(b, waits[b]);
-      queue->wait(bitmap_t, opts.timeout_s + 1.0);
-      check_failed_ranks();
-      if (stale_count(bitmap.data_ptr<int32_t>()[params.size()]) > 0) {
-        lock.lock();
-        st.redone = true;
-        redo_all_locked();
-        waits = tickets;
-        lock.unlock();
-        for (size_t b = 0; b < waits.size(); ++b) await_bucket(b, waits[b]);
-      }
-      for (size_t b = 0; b < waits.size(); ++b) st.comm_ms += runs[b]->comm_ms();
-      st.wait_ms += ms_since(t0);
-      auto t1 = Clock::now();
-      for (size_t b = 0; b < waits.size(); ++b) write_back(b, nullptr);
-      st.write_back_ms += ms_since(t1);
-      expected_fires = fires;
-      waits.clear();  // done: the loop below has nothing left
-    }
+    if (pipeline)  // Note [Pipeline overlap]: empties `waits`
+      finalize_pipeline(lock, waits, bitmap_t, st);
     // Bucket b is written back while later buckets are still being reduced.
     for (size_t b = 0; b < waits.size(); ++b) {
       auto t0 = Clock::now();
@@ -824,64 +522,24 @@ ReducerStats Reducer::Impl::finalize() {
   return st;
 }
 
-void Reducer::Impl::shadow_step(bool failed) {
-  std::unique_lock<std::mutex> lock(mu);
-  check_usable();
-  if (phase != Phase::kIdle)
-    throw std::logic_error("smp: Reducer.run_shadow_step() was called inside a step "
-                           "(after prepare_for_backward)");
-  started = true;
-  std::vector<CommQueue::TicketPtr> waits;
-  try {
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      launch_locked(b, true);
-      waits.push_back(tickets[b]);
-    }
-    // Zeros from this rank; the sum comes back, so a late-gradient redo by the ranks
-    // still training (its last slot, Note [Pipeline overlap]) is shadowed too. A failed
-    // step adds kFailedRank + this rank's bit to the last slot (Note [Failed rank]).
-    bitmap.zero_();
-    if (failed) bitmap.data_ptr<int32_t>()[params.size()] = failed_flag(rank);
-    auto what = "the used-parameter allreduce (shadow step) on " + group;
-    waits.push_back(queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
-                                         s = opts.timeout_s, what] {
-      if (a) {
-        a->allreduce(off, t.numel(), at::kInt, /*shadow=*/false, s, what);
-      } else {
-        std::vector<at::Tensor> v{t};
-        wait_work(g->allreduce(v), s, what);
-      }
-    }));
-    if (rebuild_pending) {
-      submit_order_locked();
-      waits.push_back(order_ticket);
-    }
-    lock.unlock();
-    for (size_t b = 0; b < buckets.size(); ++b) await_bucket(b, waits[b]);
-    for (size_t k = buckets.size(); k < waits.size(); ++k) queue->wait(waits[k], opts.timeout_s + 1.0);
-    lock.lock();
-    if (!failed) check_failed_ranks();
-    if (stale_count(bitmap.data_ptr<int32_t>()[params.size()]) > 0) {  // the others redo
-      for (size_t b = 0; b < buckets.size(); ++b) launch_locked(b, true);
-      auto again = tickets;
-      lock.unlock();
-      for (size_t b = 0; b < buckets.size(); ++b) await_bucket(b, again[b]);
-      lock.lock();
-    }
-    std::fill(runs.begin(), runs.end(), nullptr);
-    if (rebuild_pending) apply_order();
-  } catch (const std::exception& e) {
-    if (!lock.owns_lock()) lock.lock();
-    broken = e.what();
-    ++*steps_done;
-    rethrow_with_hint(e);
-  }
-  ++*steps_done;
-}
-
 void Reducer::Impl::shutdown() {
   for (size_t i = 0; i < accumulators.size(); ++i) accumulators[i]->del_post_hook(hook_keys[i]);
   queue.reset();
+}
+
+void Reducer::Impl::rethrow_with_hint(const std::exception& e) {
+  static const char* kHint =
+      " (if the ranks have different numbers of batches (uneven inputs), train inside "
+      "`with model.join():` or `with smp.join.Join([model, optimizer]):`)";
+  if (dynamic_cast<const TimeoutError*>(&e) != nullptr)
+    throw TimeoutError(str_cat(e.what(), kHint));
+  const std::string msg = e.what();
+  if (dynamic_cast<const CommError*>(&e) != nullptr &&
+      (msg.find(" exited without reaching it") != std::string::npos ||
+       msg.find("Connection closed") != std::string::npos ||
+       msg.find("Connection reset") != std::string::npos))
+    throw CommError(str_cat(msg, kHint));
+  throw;
 }
 
 // --- Reducer ----------------------------------------------------------------------
@@ -902,57 +560,12 @@ void Reducer::register_comm_hook(CommHookPtr hook) {
   impl_->default_hook = false;
 }
 
-// Note [Hook buckets follow torch's]
-// A comm hook may keep state per bucket index (PowerSGD's error feedback and warm-start
-// memories). torch's DDP shows hooks its constructor's buckets in the first step and
-// the rebuilt ones afterwards; a state saved mid-training and loaded into a fresh
-// model therefore meets the constructor's layout in torch's first step. Giving the
-// hook the same sequence of layouts is what makes smp land where torch lands after
-// such a reload (the seed example of torch's comm-hook docs). smp takes torch's
-// constructor layout only where it holds the same buckets as smp's traced one, in
-// another order: where torch's groups parameters differently, a state saved from the
-// rebuilt layout does not fit torch's first step (torch fails), and smp keeps the
-// traced layout, where the state fits and training resumes exactly.
-void Reducer::use_torch_initial_layout() {
-  auto& im = *impl_;
-  std::lock_guard<std::mutex> lock(im.mu);
-  if (im.started)
-    throw std::logic_error("smp: use_torch_initial_layout must be called before the first step");
-  std::vector<int64_t> order(im.params.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  auto fresh = compute_bucket_assignment(im.params, order, im.opts.bucket_cap_bytes,
-                                         im.opts.first_bucket_bytes);
-  std::reverse(fresh.begin(), fresh.end());
-  if (fresh == im.layout) return;
-  // Only an order within the same buckets: where torch's constructor groups the
-  // parameters differently, its saved per-bucket state no longer fits on reload (torch
-  // fails there); the traced layout keeps such a state fitting, and resume exact.
-  if (fresh.size() != im.layout.size()) return;
-  for (size_t b = 0; b < fresh.size(); ++b) {
-    auto x = fresh[b], y = im.layout[b];
-    std::sort(x.begin(), x.end());
-    std::sort(y.begin(), y.end());
-    if (x != y) return;
-  }
-  if (im.arena) im.make_arena(fresh);  // collective, as in apply_order()
-  im.build_buckets(std::move(fresh));
-}
-
-void Reducer::prepare_for_pipeline_backward(double grad_scale,
-                                            const std::vector<int64_t>& hold) {
-  impl_->prepare_pipeline(grad_scale, hold);
-}
-
 void Reducer::prepare_for_backward(bool sync, double grad_scale,
                                    const std::vector<at::Tensor>& outputs) {
   impl_->prepare(sync, grad_scale, outputs);
 }
 
 ReducerStats Reducer::finalize() { return impl_->finalize(); }
-
-void Reducer::run_shadow_step() { impl_->shadow_step(); }
-void Reducer::fail_step() { impl_->shadow_step(/*failed=*/true); }
-
 void Reducer::set_active_ranks(int n) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (n < 0 || n > impl_->world)

@@ -106,7 +106,7 @@ class Reducer {
   // layout in another order (else keeps it); the rebuild after the first step then
   // orders them by gradient arrival, as torch's does. Collective over the group (every rank
   // calls it at the same point). Throws std::logic_error after the first step.
-  // See Note [Hook buckets follow torch's] in reducer.cpp.
+  // See Note [Hook buckets follow torch's] in detail/reducer_rebuild.cpp.
   void use_torch_initial_layout();
 
   // Call before each backward. sync=false: gradients only accumulate in .grad.
@@ -123,7 +123,8 @@ class Reducer {
   // when its grad accumulator has fired as often as in the step before (after its last
   // microbatch's backward), so its bucket launches during the rest of the pipeline's
   // backward. `hold`: parameter indices ready only in finalize() (tied weights summed
-  // across pp ranks after the step). See Note [Pipeline overlap] in reducer.cpp.
+  // across pp ranks after the step). See Note [Pipeline overlap] in
+  // detail/reducer_pipeline.cpp.
   void prepare_for_pipeline_backward(double grad_scale, const std::vector<int64_t>& hold = {});
 
   // After the step's last backward: launches what is left, waits for every bucket,

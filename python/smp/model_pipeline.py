@@ -74,9 +74,9 @@ class PipelineMixin:
     def _run_pipeline_step(self, fn, mb_inputs, sync_step, joining=None):
         self._in_step = True
         self._backward_this_step = False
-        # Note [Pipeline overlap] (smp_core/reducer.cpp): the reducer is armed when this
-        # rank's first backward work of a synchronized step begins, so each bucket
-        # launches once its gradients are final, during the rest of the backward.
+        # Note [Pipeline overlap] (smp_core/detail/reducer_pipeline.cpp): the reducer is
+        # armed when this rank's first backward work of a synchronized step begins, so
+        # each bucket launches once its gradients are final, during the rest of the backward.
         reduce = sync_step and self._dp_reduce
         if reduce and self._reducer is None:
             self._make_reducer()  # every dp rank, at the same step

@@ -1,5 +1,5 @@
 """dp reduction overlapping the pipeline's backward (Note [Pipeline overlap] in
-smp_core/reducer.cpp): with partitions > 1 and ddp, a bucket is reduced as soon as its
+smp_core/detail/reducer_pipeline.cpp): with partitions > 1 and ddp, a bucket is reduced as soon as its
 gradients are final, while the rest of the backward still runs; results are the same
 as reducing after the step."""
 import json

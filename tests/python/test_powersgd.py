@@ -520,7 +520,8 @@ if phase == "first":
 def test_seed_example_reload_lands_where_torch_lands(ranks, tmp_path):
     # torch's first step after the reload meets its constructor's bucket layout with
     # state saved in the rebuilt one; smp shows hooks the same layouts (Note [Hook
-    # buckets follow torch's] in smp_core/reducer.cpp), so it lands on the same point.
+    # buckets follow torch's] in smp_core/detail/reducer_rebuild.cpp), so it lands on
+    # the same point.
     ckpt = str(tmp_path / "checkpoint.pt")
     for phase in ("first", "second"):
         res = ranks(SEED_EXAMPLE, 2, args=(phase, ckpt))

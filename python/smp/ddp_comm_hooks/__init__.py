@@ -74,6 +74,6 @@ def _install(reducer, state, hook):
     """Registers `hook` with `state` on a C++ reducer (a built-in's C++ hook, or the
     Python callable), and gives the first step torch DDP's constructor buckets, so the
     hook sees the bucket layouts torch's DDP would show it (Note [Hook buckets follow
-    torch's] in smp_core/reducer.cpp)."""
+    torch's] in smp_core/detail/reducer_rebuild.cpp)."""
     reducer.register_comm_hook(state, native_of(hook) or hook)
     reducer.use_torch_initial_layout()

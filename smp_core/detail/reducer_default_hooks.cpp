@@ -1,0 +1,62 @@
+// The reducer's default hooks: a sum through the process group, or, when every rank of
+// the group runs on this host, a sum in the shared-memory arena (Note [Shared-memory
+// bucket reduction], detail/shm_allreduce.cpp). The reducer installs one of them until
+// a comm hook is registered (Reducer::Impl::build_buckets).
+#include <ATen/ATen.h>
+
+#include "smp_core/detail/reducer_impl.h"
+
+namespace smp::detail {
+namespace {
+
+// The default hook: sums the buffer; the 1/world_size factor is fused into the copy
+// of each gradient into the bucket (one pass over the gradient instead of two).
+class SumAllreduceHook : public CommHook {
+ public:
+  FuturePtr run(GradBucket& bucket) override {
+    return allreduce_flat(bucket.process_group(), bucket.buffer());
+  }
+  std::string name() const override { return "allreduce"; }
+  bool issues_all_in_run() const override { return true; }
+};
+
+// The default hook when the ranks share this host: see Note [Shared-memory bucket
+// reduction] (detail/shm_allreduce.cpp). Synchronous: the sum is done when run() returns.
+class ShmSumHook : public CommHook {
+ public:
+  ShmSumHook(std::shared_ptr<ShmArena> arena, std::vector<size_t> offsets,
+             double timeout_s, std::string group, std::shared_ptr<std::atomic<int64_t>> steps)
+      : arena_(std::move(arena)), offsets_(std::move(offsets)), timeout_s_(timeout_s),
+        group_(std::move(group)), steps_(std::move(steps)) {}
+  FuturePtr run(GradBucket& bucket) override {
+    const at::Tensor& buf = bucket.buffer();
+    arena_->allreduce(offsets_.at(bucket.index()), buf.numel(), buf.scalar_type(),
+                      bucket.is_shadow(), timeout_s_,
+                      str_cat("bucket ", bucket.index(), " of ", bucket.bucket_count(),
+                              " (shared memory) on ", group_, " in step ",
+                              steps_->load() + 1));
+    return completed_future(buf);
+  }
+  std::string name() const override { return "allreduce (shared memory)"; }
+  bool issues_all_in_run() const override { return true; }
+
+ private:
+  std::shared_ptr<ShmArena> arena_;
+  std::vector<size_t> offsets_;  // per bucket, bytes into this rank's slot
+  double timeout_s_;
+  std::string group_;
+  std::shared_ptr<std::atomic<int64_t>> steps_;  // the reducer's steps_run
+};
+
+}  // namespace
+
+CommHookPtr make_sum_allreduce_hook() { return std::make_shared<SumAllreduceHook>(); }
+
+CommHookPtr make_shm_sum_hook(std::shared_ptr<ShmArena> arena, std::vector<size_t> offsets,
+                              double timeout_s, std::string group,
+                              std::shared_ptr<std::atomic<int64_t>> steps) {
+  return std::make_shared<ShmSumHook>(std::move(arena), std::move(offsets), timeout_s,
+                                      std::move(group), std::move(steps));
+}
+
+}  // namespace smp::detail

@@ -87,6 +87,7 @@ void Reducer::Impl::init() {
                                 " parameter indices"));
   }
   verify_across_ranks(order);
+  bitmap_slots = detail::UsedBitmap(params.size(), world);
   rebuild_pending = opts.rebuild_buckets;
   recording = opts.rebuild_buckets;
   seen.assign(n, 0);
@@ -163,7 +164,7 @@ void Reducer::Impl::make_arena(const std::vector<std::vector<int64_t>>& for_layo
     for (int64_t i : b) bucket += params[i].numel() * params[i].element_size();
     bytes += align64(bucket);
   }
-  bytes += align64((params.size() + 1) * sizeof(int32_t));  // used bitmap + stale count
+  bytes += align64(bitmap_slots.size() * sizeof(int32_t));  // Note [Used bitmap]
   arena = detail::ShmArena::create(pg, bytes, opts.timeout_s,
                                    "the shared-memory segment of the reducer on " + group);
 }
@@ -214,12 +215,12 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
       }
     }
   }
-  const int64_t n = static_cast<int64_t>(params.size());
+  const auto slots = static_cast<int64_t>(bitmap_slots.size());  // Note [Used bitmap]
   if (arena) {
     bitmap_offset = slot_used;
-    bitmap = arena->slot_tensor(bitmap_offset, n + 1, at::kInt);
+    bitmap = arena->slot_tensor(bitmap_offset, slots, at::kInt);
   } else {
-    bitmap = at::zeros({n + 1}, at::kInt);  // the last slot: Note [Pipeline overlap]
+    bitmap = at::zeros({slots}, at::kInt);
   }
   if (default_hook)
     hook = arena ? detail::make_shm_sum_hook(arena, offsets, opts.timeout_s, group, steps_done)
@@ -345,23 +346,24 @@ void Reducer::Impl::launch_ready_locked() {
   if (next_launch < buckets.size() || tail_launched) return;
   if (pipeline && !finalizing) return;  // a late fire may still come (stale count)
   tail_launched = true;
-  // After the buckets, in the same queue: the used-parameter bitmap (every step) and
-  // the first step's gradient order. Every gradient is final by now.
-  int32_t* d = bitmap.data_ptr<int32_t>();
-  for (size_t i = 0; i < params.size(); ++i) d[i] = used[i];
-  d[params.size()] = static_cast<int32_t>(stale);
-  auto what = str_cat("the used-parameter allreduce on ", group, " in step ",
-                      steps_done->load() + 1);
-  bitmap_ticket = queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
-                                       s = opts.timeout_s, what] {
+  // After the buckets, in the same queue: the used bitmap (every step, Note [Used
+  // bitmap]) and the first step's gradient order. Every gradient is final by now.
+  bitmap_slots.pack_step(bitmap.data_ptr<int32_t>(), used, stale);
+  bitmap_ticket = submit_bitmap_locked(str_cat("the used-parameter allreduce on ", group,
+                                               " in step ", steps_done->load() + 1));
+  if (rebuild_pending) submit_order_locked();
+}
+
+CommQueue::TicketPtr Reducer::Impl::submit_bitmap_locked(const std::string& what) {
+  return queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
+                              s = opts.timeout_s, what] {
     if (a) {
-      a->allreduce(off, t.numel(), at::kInt, false, s, what);
+      a->allreduce(off, t.numel(), at::kInt, /*shadow=*/false, s, what);
     } else {
       std::vector<at::Tensor> v{t};
       wait_work(g->allreduce(v), s, what);
     }
   });
-  if (rebuild_pending) submit_order_locked();
 }
 
 void Reducer::Impl::launch_locked(size_t b, bool shadow) {
@@ -438,7 +440,8 @@ void Reducer::Impl::write_back(size_t b, const int32_t* global) {
   at::Tensor flat = (same || opts.gradient_as_bucket_view) ? at::Tensor() : r.reshape({-1});
   for (size_t j = 0; j < bk.params.size(); ++j) {
     const int64_t i = bk.params[j];
-    if (global == nullptr ? !used[i] : (used[i] || global[i] == 0)) continue;
+    if (global == nullptr ? !used[i] : (used[i] || bitmap_slots.used_count(global, i) == 0))
+      continue;
     at::Tensor& grad = params[i].mutable_grad();
     if (opts.gradient_as_bucket_view) {
       if (!is_view_of(grad, bk.views[j])) grad = bk.views[j];
@@ -499,7 +502,7 @@ ReducerStats Reducer::Impl::finalize() {
     st.unused_local = st.unused_global = 0;
     for (size_t i = 0; i < params.size(); ++i) {
       st.unused_local += !used[i];
-      st.unused_global += global[i] == 0;
+      st.unused_global += bitmap_slots.used_count(global, i) == 0;
     }
     if (st.unused_local > st.unused_global)
       for (size_t b = 0; b < buckets.size(); ++b) write_back(b, global);

@@ -170,7 +170,7 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         elif input_error is not None:
             if core.pp_size() == 1 or core.pp_rank() == 0:
                 # The dp peers are told through the step's own collectives (Note
-                # [Failed rank] in smp_core/detail/reducer_impl.h): they raise too,
+                # [Failed rank] in smp_core/detail/reducer_shadow.cpp): they raise too,
                 # naming this rank.
                 sync = (self._steps + 1) % self.backward_passes_per_step == 0
                 if self._dp_reduce and self._reducer is not None and sync:

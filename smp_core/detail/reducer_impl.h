@@ -26,6 +26,7 @@
 #include "smp_core/comm_queue.h"
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/shm_allreduce.h"
+#include "smp_core/detail/used_bitmap.h"
 #include "smp_core/errors.h"
 #include "smp_core/grad_bucket.h"
 #include "smp_core/reducer.h"
@@ -102,6 +103,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   std::unique_ptr<CommQueue> queue;
   std::shared_ptr<detail::ShmArena> arena;  // null: reduce through the process group
   size_t bitmap_offset = 0;                 // of the bitmap in this rank's arena slot
+  detail::UsedBitmap bitmap_slots;          // Note [Used bitmap]; set by init()
 
   mutable std::mutex mu;
   std::vector<std::vector<int64_t>> layout;
@@ -119,7 +121,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   bool tail_launched = false;
   std::vector<std::shared_ptr<detail::BucketRun>> runs;
   std::vector<CommQueue::TicketPtr> tickets;
-  at::Tensor bitmap;
+  at::Tensor bitmap;  // int32, bitmap_slots.size() (Note [Used bitmap])
   CommQueue::TicketPtr bitmap_ticket;
   at::Tensor order;
   CommQueue::TicketPtr order_ticket;
@@ -158,6 +160,8 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   void mark_ready_locked(int64_t i);
   void launch_ready_locked();
   void launch_locked(size_t b, bool shadow);
+  // Queues the allreduce of `bitmap` as it is filled now (Note [Used bitmap]).
+  CommQueue::TicketPtr submit_bitmap_locked(const std::string& what);
   void await_bucket(size_t b, const CommQueue::TicketPtr& ticket);
   void write_back(size_t b, const int32_t* global);
   void prepare(bool sync, double grad_scale, const std::vector<at::Tensor>& outputs,
@@ -188,24 +192,9 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   // detail/reducer_shadow.cpp: join's shadow step, and a failed step.
   void shadow_step(bool failed = false);
 
-  // Note [Failed rank]: the last slot of the used bitmap carries, below bit 20, the
-  // count of late gradients (Note [Pipeline overlap]) and, from bit 20 up, one bit per
-  // rank (ranks < 11) that could not run its step; any other rank then fails alike.
-  static constexpr int kFailedShift = 20;
-  static int32_t failed_flag(int r) { return r < 11 ? (int32_t{1} << (kFailedShift + r)) : (int32_t{1} << 30); }
-  static int32_t stale_count(int32_t slot) { return slot & ((int32_t{1} << kFailedShift) - 1); }
-  void check_failed_ranks() {
-    const int32_t slot = bitmap.data_ptr<int32_t>()[params.size()];
-    if ((slot >> kFailedShift) == 0) return;
-    std::string who;
-    for (int r = 0; r < 11 && r < world; ++r)
-      if (slot & failed_flag(r)) who += str_cat(who.empty() ? "" : ",", r);
-    if (who.empty()) who = ">= 11";
-    throw CommError(str_cat("smp: ", opts.group_name, " rank(s) ", who, " of ", group,
-                            " could not run step ", steps_done->load() + 1,
-                            " (see the error raised there, e.g. a bad input); every rank "
-                            "of the group stops here"));
-  }
+  // Throws CommError if the summed bitmap names a rank that failed its step (Note
+  // [Failed rank] in detail/reducer_shadow.cpp).
+  void check_failed_ranks() const;
 
   void check_usable() const {
     if (!broken.empty())

@@ -14,9 +14,9 @@ namespace smp {
 // reducer counts the fires of each synchronized pipeline step and, from the next one
 // on, takes a parameter as ready when its count reaches the last step's: its bucket
 // then launches while the rest of the pipeline's backward runs. The tail (the
-// used-parameter bitmap) waits for finalize(); its last slot carries the number of
-// fires that came after their parameter was copied out (a module called more often
-// than in the step before). If any rank saw one, every rank discards the step's
+// used bitmap) waits for finalize(); its late-fires slot (Note [Used bitmap]) carries
+// the number of fires that came after their parameter was copied out (a module called
+// more often than in the step before). If any rank saw one, every rank discards the step's
 // results and reduces every gradient again from .grad, which still holds the local
 // sums (results are written back only after that check). Held parameters (tied
 // weights, summed across pp ranks after the step) are ready only in finalize(), as
@@ -58,7 +58,7 @@ void Reducer::Impl::finalize_pipeline(std::unique_lock<std::mutex>& lock,
   for (size_t b = 0; b < waits.size(); ++b) await_bucket(b, waits[b]);
   queue->wait(bitmap_t, opts.timeout_s + 1.0);
   check_failed_ranks();
-  if (stale_count(bitmap.data_ptr<int32_t>()[params.size()]) > 0) {
+  if (bitmap_slots.late_fires(bitmap.data_ptr<int32_t>()) > 0) {
     lock.lock();
     st.redone = true;
     redo_all_locked();

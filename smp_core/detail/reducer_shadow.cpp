@@ -1,7 +1,7 @@
 // Join's shadow step: a rank without data this step issues the same collectives as
 // its peers' real step, with zeros, so that they complete (docs/join.md); and a failed
-// step, the same shadow flagged so that every peer raises (Note [Failed rank]). Part of
-// Reducer::Impl (detail/reducer_impl.h).
+// step, the same shadow flagged so that every peer raises (Note [Failed rank], below).
+// Part of Reducer::Impl (detail/reducer_impl.h).
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -23,20 +23,11 @@ void Reducer::Impl::shadow_step(bool failed) {
       waits.push_back(tickets[b]);
     }
     // Zeros from this rank; the sum comes back, so a late-gradient redo by the ranks
-    // still training (its last slot, Note [Pipeline overlap]) is shadowed too. A failed
-    // step adds kFailedRank + this rank's bit to the last slot (Note [Failed rank]).
-    bitmap.zero_();
-    if (failed) bitmap.data_ptr<int32_t>()[params.size()] = failed_flag(rank);
-    auto what = "the used-parameter allreduce (shadow step) on " + group;
-    waits.push_back(queue->submit(what, [g = pg, a = arena, off = bitmap_offset, t = bitmap,
-                                         s = opts.timeout_s, what] {
-      if (a) {
-        a->allreduce(off, t.numel(), at::kInt, /*shadow=*/false, s, what);
-      } else {
-        std::vector<at::Tensor> v{t};
-        wait_work(g->allreduce(v), s, what);
-      }
-    }));
+    // still training (Note [Pipeline overlap]) is shadowed too. A failed step sets this
+    // rank's failed slot (Note [Used bitmap], Note [Failed rank]).
+    bitmap_slots.pack_shadow(bitmap.data_ptr<int32_t>(), rank, failed);
+    waits.push_back(
+        submit_bitmap_locked("the used-parameter allreduce (shadow step) on " + group));
     if (rebuild_pending) {
       submit_order_locked();
       waits.push_back(order_ticket);
@@ -46,7 +37,7 @@ void Reducer::Impl::shadow_step(bool failed) {
     for (size_t k = buckets.size(); k < waits.size(); ++k) queue->wait(waits[k], opts.timeout_s + 1.0);
     lock.lock();
     if (!failed) check_failed_ranks();
-    if (stale_count(bitmap.data_ptr<int32_t>()[params.size()]) > 0) {  // the others redo
+    if (bitmap_slots.late_fires(bitmap.data_ptr<int32_t>()) > 0) {  // the others redo
       for (size_t b = 0; b < buckets.size(); ++b) launch_locked(b, true);
       auto again = tickets;
       lock.unlock();
@@ -62,6 +53,22 @@ void Reducer::Impl::shadow_step(bool failed) {
     rethrow_with_hint(e);
   }
   ++*steps_done;
+}
+
+// Note [Failed rank]: a rank that cannot run its step (a bad input, an exception
+// before backward) calls fail_step(): a shadow step that sets its failed slot of the
+// used bitmap (Note [Used bitmap]). Every other rank reads the slot in finalize() (or
+// its own shadow step) and raises CommError naming the failed ranks, instead of
+// waiting for the missing rank until the timeout.
+void Reducer::Impl::check_failed_ranks() const {
+  auto failed = bitmap_slots.failed_ranks(bitmap.data_ptr<int32_t>());
+  if (failed.empty()) return;
+  std::string who;
+  for (int r : failed) who += str_cat(who.empty() ? "" : ",", r);
+  throw CommError(str_cat("smp: ", opts.group_name, " rank(s) ", who, " of ", group,
+                          " could not run step ", steps_done->load() + 1,
+                          " (see the error raised there, e.g. a bad input); every rank "
+                          "of the group stops here"));
 }
 
 void Reducer::run_shadow_step() { impl_->shadow_step(); }

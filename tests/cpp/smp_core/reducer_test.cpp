@@ -14,6 +14,7 @@
 
 #include "../common/gloo_world.h"
 #include "smp_core/comm_queue.h"
+#include "smp_core/detail/used_bitmap.h"
 #include "smp_core/distributed_model.h"
 #include "smp_core/errors.h"
 
@@ -89,6 +90,52 @@ class RecordingHook : public CommHook {
   std::mutex mu;
   std::vector<Call> calls;
 };
+
+// --- used bitmap (no processes) ----------------------------------------------------
+
+// Each rank packs its slots; the allreduce is their element-wise sum. Rank r of 13 used
+// parameter j iff (r + j) % 3 == 0, saw r late fires, and ranks 4 and 12 (beyond any
+// bit budget of one int32) failed.
+TEST(UsedBitmap, NamedSlotsSurviveTheSum) {
+  const size_t n = 3;
+  const int world = 13;
+  detail::UsedBitmap slots(n, world);
+  ASSERT_EQ(slots.size(), n + 1 + world);
+  EXPECT_EQ(slots.used_slot(2), 2u);
+  EXPECT_EQ(slots.late_fires_slot(), n);
+  EXPECT_EQ(slots.failed_slot(0), n + 1);
+  EXPECT_EQ(slots.failed_slot(world - 1), slots.size() - 1);
+
+  std::vector<int32_t> sum(slots.size(), 0), mine(slots.size(), -7);
+  for (int r = 0; r < world; ++r) {
+    if (r == 4 || r == 12) {
+      slots.pack_shadow(mine.data(), r, /*failed=*/true);
+    } else {
+      std::vector<char> used(n);
+      for (size_t j = 0; j < n; ++j) used[j] = (r + j) % 3 == 0;
+      slots.pack_step(mine.data(), used, r);
+    }
+    for (size_t k = 0; k < sum.size(); ++k) sum[k] += mine[k];
+  }
+  // Users of parameter j among the 11 ranks that stepped: r in [0, 13) \ {4, 12}.
+  std::vector<int32_t> users(n, 0);
+  for (int r = 0; r < world; ++r)
+    for (size_t j = 0; j < n; ++j) users[j] += r != 4 && r != 12 && (r + j) % 3 == 0;
+  for (size_t j = 0; j < n; ++j) EXPECT_EQ(slots.used_count(sum.data(), j), users[j]) << j;
+  EXPECT_EQ(slots.late_fires(sum.data()), world * (world - 1) / 2 - 4 - 12);
+  EXPECT_EQ(slots.failed_ranks(sum.data()), (std::vector<int>{4, 12}));
+
+  // A shadow step that did not fail contributes nothing; an unused parameter stays 0.
+  slots.pack_shadow(mine.data(), 5, /*failed=*/false);
+  EXPECT_EQ(mine, std::vector<int32_t>(slots.size(), 0));
+  slots.pack_step(mine.data(), std::vector<char>(n, 0), 0);
+  EXPECT_TRUE(slots.failed_ranks(mine.data()).empty());
+  EXPECT_EQ(slots.used_count(mine.data(), 0), 0);
+
+  // No parameters, one rank: one late-fires slot and one failed slot.
+  detail::UsedBitmap empty(0, 1);
+  EXPECT_EQ(empty.size(), 2u);
+}
 
 // --- bucket assignment (no processes) ----------------------------------------------
 
@@ -559,6 +606,32 @@ TEST_P(ReducerPaths, ShadowStepMatchesAPeersCollectives) {
       });
     }
   }
+}
+
+// Ranks 1 and 2 of 3 cannot run step 1 (fail_step); rank 0, which ran it, raises in
+// finalize() naming both, through the used bitmap's failed slots (Note [Used bitmap]).
+TEST_P(ReducerPaths, FailStepNamesTheFailedRanksOnTheOthers) {
+  run_gloo_world(3, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{3}, {5}});
+    ReducerOptions o;
+    o.bucket_cap_bytes = 1;
+    o.shared_memory = GetParam();
+    Reducer red(ps, pg, o);
+    if (r > 0) {
+      red.fail_step();  // returns: a failed rank raises its own error, not this one
+      return;
+    }
+    try {
+      step(red, linear_loss(ps, 1));
+      FAIL() << "finalize returned";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "smp: dp rank(s) 1,2 of the dp process group (gloo, rank 0 of 3) could "
+                    "not run step 1 (see the error raised there"),
+                std::string::npos)
+          << e.what();
+    }
+  });
 }
 
 TEST(Reducer, SharedMemoryPeerThatNeverArrivesTimesOut) {

@@ -61,8 +61,6 @@ py::object item(const py::dict& d, const char* key) {
   return d.contains(key) ? py::object(d[key]) : py::object(py::none());
 }
 
-double default_timeout() { return is_initialized() ? runtime().config().timeout_s : 300.0; }
-
 }  // namespace
 
 void bind_powersgd(py::module_& m) {

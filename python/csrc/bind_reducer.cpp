@@ -1,5 +1,6 @@
 // Bindings of the reducer: smp._C.Reducer, GradBucket, BuiltinHook and the built-in
-// hook objects, broadcast_coalesced, and the Join protocol (smp._C.JoinProtocol). See docs/reducer.md ("Python API").
+// hook objects, and broadcast_coalesced. See docs/reducer.md ("Python API"). The Join
+// protocol is bound in bind_join.cpp.
 //
 // GIL: the reducer runs comm hooks on its own thread; a Python hook takes the GIL
 // there. So every binding that may wait on communication (the constructor, finalize,
@@ -20,7 +21,6 @@
 #include "smp_core/comm_queue.h"
 #include "smp_core/errors.h"
 #include "smp_core/grad_bucket.h"
-#include "smp_core/join.h"
 #include "smp_core/reducer.h"
 #include "smp_core/runtime.h"
 
@@ -167,7 +167,6 @@ struct BuiltinHook {
 };
 
 CommHookPtr to_comm_hook(const py::object& state, const py::object& hook);
-double default_timeout();
 
 bool is_powersgd(const std::string& name) {
   return name == "powerSGD" || name == "batched_powerSGD";
@@ -331,9 +330,9 @@ py::dict stats_dict(const ReducerStats& s) {
   return d;
 }
 
-double default_timeout() { return is_initialized() ? runtime().config().timeout_s : 300.0; }
-
 }  // namespace
+
+double default_timeout() { return is_initialized() ? runtime().config().timeout_s : 300.0; }
 
 void bind_reducer(py::module_& m) {
   py::class_<GradBucket, std::shared_ptr<GradBucket>>(m, "GradBucket",
@@ -490,27 +489,6 @@ void bind_reducer(py::module_& m) {
         py::arg("bucket_cap_mb") = 25.0,
         "Broadcasts `tensors` in place from group rank `root`, flattened per dtype into "
         "chunks of at most bucket_cap_mb.");
-
-  py::class_<JoinProtocol, std::shared_ptr<JoinProtocol>>(m, "JoinProtocol",
-      "The Join context's collectives on one process group (smp_core/join.h).")
-      .def(py::init([](const ProcessGroupPtr& pg, std::optional<double> timeout_s,
-                       const std::string& group_name) {
-             return std::make_shared<JoinProtocol>(pg, timeout_s ? *timeout_s : default_timeout(),
-                                                   group_name);
-           }),
-           py::arg("process_group"), py::arg("timeout_s") = py::none(),
-           py::arg("group_name") = "dp")
-      .def("notify_not_joined", &JoinProtocol::notify_not_joined, release())
-      .def("count_not_joined", &JoinProtocol::count_not_joined, release())
-      .def("check_early_termination", &JoinProtocol::check_early_termination,
-           py::arg("joined"), release())
-      .def("find_common_rank", &JoinProtocol::find_common_rank, py::arg("candidate"), release())
-      .def("allreduce_sum", &JoinProtocol::allreduce_sum, py::arg("value"), py::arg("what"),
-           release())
-      .def_property_readonly("iteration", &JoinProtocol::iteration)
-      .def_property_readonly("rank", &JoinProtocol::rank)
-      .def_property_readonly("size", &JoinProtocol::size)
-      .def_property_readonly("process_group", &JoinProtocol::process_group);
 }
 
 }  // namespace smp::python

@@ -7,8 +7,13 @@ void bind_core(pybind11::module_& m);       // config, topology, runtime, object
 void bind_partition(pybind11::module_& m);  // partition planner
 void bind_pipeline(pybind11::module_& m);   // p2p engine of the pipeline
 void bind_reducer(pybind11::module_& m);    // gradient reducer, GradBucket, comm hooks
+void bind_join(pybind11::module_& m);       // Join protocol of uneven inputs (JoinProtocol)
 void bind_checkpoint(pybind11::module_& m);  // checkpoint files (CheckpointError, Manifest)
 void bind_powersgd(pybind11::module_& m);    // PowerSGD hook state
 void bind_model(pybind11::module_& m);       // DistributedModel's checks (fingerprints)
 void bind_launcher(pybind11::module_& m);    // launcher/'s SLURM parsing (smp.init under srun)
+
+// Seconds a binding's collective may wait when the caller gives none: the runtime's
+// timeout_s after smp.init, else 300 (bind_reducer.cpp).
+double default_timeout();
 }  // namespace smp::python

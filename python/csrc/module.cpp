@@ -7,6 +7,7 @@ PYBIND11_MODULE(_C, m) {
   smp::python::bind_core(m);
   smp::python::bind_pipeline(m);
   smp::python::bind_reducer(m);
+  smp::python::bind_join(m);
   smp::python::bind_powersgd(m);
   smp::python::bind_model(m);
   smp::python::bind_launcher(m);

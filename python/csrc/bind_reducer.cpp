@@ -1,5 +1,5 @@
-// Bindings of the reducer: smp._C.Reducer, GradBucket, BuiltinHook and the built-in
-// hook objects, and broadcast_coalesced. See docs/reducer.md ("Python API"). The Join
+// Bindings of the reducer: smp._C.Reducer, GradBucket, BuiltinCommHookType, BuiltinHook
+// and the built-in hook objects, and broadcast_coalesced. See docs/reducer.md ("Python API"). The Join
 // protocol is bound in bind_join.cpp.
 //
 // GIL: the reducer runs comm hooks on its own thread; a Python hook takes the GIL
@@ -162,15 +162,13 @@ size_t quiesce_python_hooks(double timeout_s) {
 // A built-in hook as a Python object: callable like any hook, recognised by
 // Reducer.register_comm_hook, which then runs the C++ hook instead.
 struct BuiltinHook {
-  std::string name;  // one of hooks::builtin_hook_names()
+  hooks::BuiltinCommHookType type;
   py::object inner;  // wrappers: the wrapped hook (BuiltinHook or callable)
+  // What Python sees as `.name` and what pickles store ("powerSGD").
+  const std::string& name() const { return hooks::builtin_hook_name(type); }
 };
 
 CommHookPtr to_comm_hook(const py::object& state, const py::object& hook);
-
-bool is_powersgd(const std::string& name) {
-  return name == "powerSGD" || name == "batched_powerSGD";
-}
 
 // The C++ state behind `state`: an smp PowerSGDState (its `_native`) or the native one.
 hooks::PowerSGDStatePtr powersgd_state(const py::object& state, const BuiltinHook& bh) {
@@ -178,7 +176,7 @@ hooks::PowerSGDStatePtr powersgd_state(const py::object& state, const BuiltinHoo
   try {
     return native.cast<hooks::PowerSGDStatePtr>();
   } catch (const py::cast_error&) {
-    throw ConfigError(str_cat("smp: ", bh.name, "_hook takes an "
+    throw ConfigError(str_cat("smp: ", bh.name(), "_hook takes an "
                               "smp.ddp_comm_hooks.powerSGD_hook.PowerSGDState as its state, not ",
                               py::str(py::type::of(state)).cast<std::string>()));
   }
@@ -186,22 +184,23 @@ hooks::PowerSGDStatePtr powersgd_state(const py::object& state, const BuiltinHoo
 
 CommHookPtr builtin_to_comm_hook(const py::object& state, const BuiltinHook& bh,
                                  int64_t channel_size = 512) {
-  if (is_powersgd(bh.name)) {
+  if (hooks::is_powersgd(bh.type)) {
     auto st = powersgd_state(state, bh);
-    return bh.name == "powerSGD" ? hooks::powersgd_hook(st) : hooks::batched_powersgd_hook(st);
+    return bh.type == hooks::BuiltinCommHookType::kPowerSGD ? hooks::powersgd_hook(st)
+                                                             : hooks::batched_powersgd_hook(st);
   }
   CommHookPtr inner = bh.inner.is_none() ? nullptr : to_comm_hook(state, bh.inner);
   ProcessGroupPtr pg;
-  if (!hooks::is_wrapper(bh.name) && !state.is_none()) {
+  if (!hooks::is_wrapper(bh.type) && !state.is_none()) {
     try {
       pg = state.cast<ProcessGroupPtr>();
     } catch (const py::cast_error&) {
-      throw ConfigError(str_cat("smp: built-in hook ", bh.name, "_hook takes a ProcessGroup or "
+      throw ConfigError(str_cat("smp: built-in hook ", bh.name(), "_hook takes a ProcessGroup or "
                                 "None as its state, not ",
                                 py::str(py::type::of(state)).cast<std::string>()));
     }
   }
-  return hooks::make_builtin_hook(bh.name, pg, inner, default_timeout(), channel_size);
+  return hooks::make_builtin_hook(bh.type, pg, inner, default_timeout(), channel_size);
 }
 
 // Note [Built-in hooks under torch DDP]
@@ -297,20 +296,25 @@ CommHookPtr to_comm_hook(const py::object& state, const py::object& hook) {
   return made;
 }
 
+BuiltinHook make_builtin(hooks::BuiltinCommHookType type, py::object inner);
+
+// By name: an unknown one throws the ConfigError listing the names.
 BuiltinHook make_builtin(const std::string& name, py::object inner) {
-  const auto& names = hooks::builtin_hook_names();
-  if (std::find(names.begin(), names.end(), name) == names.end())
-    hooks::make_builtin_hook(name);  // throws the ConfigError listing the names
-  if (hooks::is_wrapper(name) == inner.is_none())
-    throw ConfigError(hooks::is_wrapper(name)
+  return make_builtin(hooks::builtin_hook_type(name), std::move(inner));
+}
+
+BuiltinHook make_builtin(hooks::BuiltinCommHookType type, py::object inner) {
+  const std::string& name = hooks::builtin_hook_name(type);
+  if (hooks::is_wrapper(type) == inner.is_none())
+    throw ConfigError(hooks::is_wrapper(type)
                           ? "smp: built-in hook '" + name + "' wraps another hook: pass inner="
                           : "smp: built-in hook '" + name + "' takes no inner hook");
   if (py::isinstance<py::str>(inner)) inner = py::cast(make_builtin(inner.cast<std::string>(), py::none()));
-  return BuiltinHook{name, std::move(inner)};
+  return BuiltinHook{type, std::move(inner)};
 }
 
 std::string display_name(const BuiltinHook& h) {
-  return hooks::is_wrapper(h.name) ? h.name : h.name + "_hook";
+  return hooks::is_wrapper(h.type) ? h.name() : h.name() + "_hook";
 }
 
 py::dict stats_dict(const ReducerStats& s) {
@@ -350,11 +354,41 @@ void bind_reducer(py::module_& m) {
                        b.parameters().size(), " tensors, ", b.buffer().numel(), " elements>");
       });
 
+  // The closed set of built-ins (hooks/builtin.h), named as torch's DDPCommHookType
+  // names them; `hook_name` is the name smp._C.BuiltinHook carries.
+  using HookType = hooks::BuiltinCommHookType;
+  py::enum_<HookType>(m, "BuiltinCommHookType",
+      "The built-in comm hooks smp runs in C++ (c10d's BuiltinCommHookType, extended).")
+      .value("ALLREDUCE", HookType::kAllreduce)
+      .value("FP16_COMPRESS", HookType::kFp16Compress)
+      .value("BF16_COMPRESS", HookType::kBf16Compress)
+      .value("NOOP", HookType::kNoop)
+      .value("FP16_COMPRESS_WRAPPER", HookType::kFp16CompressWrapper)
+      .value("BF16_COMPRESS_WRAPPER", HookType::kBf16CompressWrapper)
+      .value("POWER_SGD", HookType::kPowerSGD)
+      .value("BATCHED_POWER_SGD", HookType::kBatchedPowerSGD)
+      .value("QUANTIZE_PER_TENSOR", HookType::kQuantizePerTensor)
+      .value("QUANTIZE_PER_CHANNEL", HookType::kQuantizePerChannel)
+      .def_property_readonly("hook_name", [](HookType t) { return hooks::builtin_hook_name(t); },
+                             "The hook's name: 'allreduce', 'powerSGD', ...")
+      .def_property_readonly("is_wrapper", [](HookType t) { return hooks::is_wrapper(t); })
+      .def_static("from_hook_name", &hooks::builtin_hook_type, py::arg("name"),
+                  "The type called `name`; ValueError (smp.ConfigError) naming the allowed "
+                  "names if there is none.");
+
   py::class_<BuiltinHook>(m, "BuiltinHook",
       "A built-in comm hook run in C++. Callable as hook(state, bucket) -> Future; "
       "Reducer.register_comm_hook recognises it and runs it without Python.")
-      .def(py::init(&make_builtin), py::arg("name"), py::arg("inner") = py::none())
-      .def_readonly("name", &BuiltinHook::name)
+      .def(py::init([](const std::string& name, py::object inner) {
+             return make_builtin(name, std::move(inner));
+           }),
+           py::arg("name"), py::arg("inner") = py::none())
+      .def(py::init([](HookType type, py::object inner) {
+             return make_builtin(type, std::move(inner));
+           }),
+           py::arg("type"), py::arg("inner") = py::none())
+      .def_property_readonly("name", &BuiltinHook::name)
+      .def_readonly("type", &BuiltinHook::type)
       .def_readonly("inner", &BuiltinHook::inner)
       // Like a function's: "allreduce_hook", "fp16_compress_wrapper" (a class cannot
       // define these as properties: they would rename the type).
@@ -382,11 +416,11 @@ void bind_reducer(py::module_& m) {
       .def("__eq__", [](const BuiltinHook& a, const py::object& other) {
         if (!py::isinstance<BuiltinHook>(other)) return false;
         const auto& b = other.cast<const BuiltinHook&>();
-        return a.name == b.name && (a.inner.is_none() ? b.inner.is_none() : a.inner.equal(b.inner));
+        return a.type == b.type && (a.inner.is_none() ? b.inner.is_none() : a.inner.equal(b.inner));
       })
       .def("__hash__", [](const BuiltinHook& h) {
         py::object inner = h.inner.is_none() ? py::object(py::none()) : py::object(py::repr(h.inner));
-        return py::hash(py::make_tuple(h.name, inner));
+        return py::hash(py::make_tuple(h.name(), inner));
       })
       .def("__repr__", [](const BuiltinHook& h) {
         std::string s = "<smp built-in hook " + display_name(h);
@@ -394,20 +428,22 @@ void bind_reducer(py::module_& m) {
         return s + ">";
       })
       .def(py::pickle(
-          [](const BuiltinHook& h) { return py::make_tuple(h.name, h.inner); },
+          // By name, not by enum value: checkpoints keep loading if the enum grows.
+          [](const BuiltinHook& h) { return py::make_tuple(h.name(), h.inner); },
           [](const py::tuple& t) {
             return make_builtin(t[0].cast<std::string>(), t[1]);
           }));
 
-  for (const char* name : {"allreduce", "fp16_compress", "bf16_compress", "noop", "powerSGD",
-                           "batched_powerSGD", "quantization_pertensor",
-                           "quantization_perchannel"})
-    m.attr((std::string(name) + "_hook").c_str()) = make_builtin(name, py::none());
+  // _C.allreduce_hook, ..., _C.quantization_perchannel_hook: every built-in but the
+  // wrappers, which are functions of the hook they wrap.
+  for (HookType t : hooks::builtin_hook_types())
+    if (!hooks::is_wrapper(t))
+      m.attr((hooks::builtin_hook_name(t) + "_hook").c_str()) = make_builtin(t, py::none());
   m.def("fp16_compress_wrapper", [](py::object hook) {
-    return make_builtin("fp16_compress_wrapper", std::move(hook));
+    return make_builtin(HookType::kFp16CompressWrapper, std::move(hook));
   }, py::arg("hook"), "Wraps `hook`: it runs on a float16 copy of the bucket.");
   m.def("bf16_compress_wrapper", [](py::object hook) {
-    return make_builtin("bf16_compress_wrapper", std::move(hook));
+    return make_builtin(HookType::kBf16CompressWrapper, std::move(hook));
   }, py::arg("hook"), "Wraps `hook`: it runs on a bfloat16 copy of the bucket.");
   m.def("builtin_hook_names", &hooks::builtin_hook_names);
   m.def("quiesce_python_hooks", &quiesce_python_hooks, release(), py::arg("timeout_s"),

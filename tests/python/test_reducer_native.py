@@ -243,6 +243,37 @@ def test_builtin_hook_objects():
         _C.BuiltinHook("powersgd")
 
 
+def test_builtin_comm_hook_type():
+    """smp._C.BuiltinCommHookType: the enum of the built-ins, converting to and from
+    the hook names in one place (hooks/builtin.cpp)."""
+    import pickle
+
+    import torch  # noqa: F401  (before smp._C)
+    from smp import _C
+    T = _C.BuiltinCommHookType
+    assert len(T.__members__) == len(_C.builtin_hook_names()) == 10
+    assert sorted(t.hook_name for t in T.__members__.values()) == _C.builtin_hook_names()
+    for t in T.__members__.values():
+        assert T.from_hook_name(t.hook_name) == t
+    assert T.POWER_SGD.hook_name == "powerSGD" and not T.POWER_SGD.is_wrapper
+    assert T.FP16_COMPRESS_WRAPPER.is_wrapper
+    # Hook objects carry their type; by type or by name they are the same hook.
+    assert _C.powerSGD_hook.type == T.POWER_SGD
+    assert _C.BuiltinHook(T.NOOP) == _C.BuiltinHook("noop") == _C.noop_hook
+    w = _C.BuiltinHook(T.BF16_COMPRESS_WRAPPER, _C.allreduce_hook)
+    assert w.type == T.BF16_COMPRESS_WRAPPER and w.name == "bf16_compress_wrapper"
+    assert pickle.loads(pickle.dumps(w)) == w
+    with pytest.raises(ValueError) as e:
+        T.from_hook_name("POWER_SGD")
+    assert str(e.value) == (
+        "smp: built-in hook 'POWER_SGD' is not one of {allreduce, batched_powerSGD, "
+        "bf16_compress, bf16_compress_wrapper, fp16_compress, fp16_compress_wrapper, noop, "
+        "powerSGD, quantization_perchannel, quantization_pertensor}")
+    with pytest.raises(ValueError, match=r"^smp: built-in hook 'fp16_compress_wrapper' wraps "
+                                         r"another hook: pass inner=$"):
+        _C.BuiltinHook(T.FP16_COMPRESS_WRAPPER)
+
+
 PEER_EXIT = r"""
 import os, time
 import torch, torch.nn as nn

@@ -8,12 +8,12 @@
 // include only small c10/ATen headers, so a consumer pays for torch's big headers only
 // if it includes them itself.
 //
-// Headers of libraries still being built are included when present (`__has_include`),
-// so this header compiles from the source tree, a build tree or an install tree at
-// any stage. Installed layout: <prefix>/include/smp/{smp.h, smp_core/, partition/,
-// hooks/, checkpoint/}; the targets smp::core etc. put both <prefix>/include and
-// <prefix>/include/smp on the include path, so the inner "smp_core/..." includes
-// resolve.
+// The list below is fixed: every header it names is installed (tests/python/
+// test_install.py checks each one and compiles a consumer against them), so the public
+// API never shrinks silently. Installed layout: <prefix>/include/smp/{smp.h,
+// smp_core/, partition/, hooks/, checkpoint/}; the targets smp::core etc. put both
+// <prefix>/include and <prefix>/include/smp on the include path, so the inner
+// "smp_core/..." includes resolve.
 #pragma once
 
 // Errors: ConfigError (bad setting), CommError, TimeoutError; SMP_CHECK.
@@ -31,37 +31,18 @@
 // Auto-partitioner: module tree + cost model -> partition of every module.
 #include "partition/partition.h"
 
-// Parts that land as they are written.
-#if defined(__has_include)
-#if __has_include("smp_core/comm_queue.h")
+// Gradient reduction: the ordered comm queue, buckets and comm hooks, the reducer.
 #include "smp_core/comm_queue.h"
-#endif
-#if __has_include("smp_core/grad_bucket.h")
 #include "smp_core/grad_bucket.h"
-#endif
-#if __has_include("smp_core/reducer.h")
 #include "smp_core/reducer.h"
-#endif
-#if __has_include("smp_core/join.h")
+// Join: the collectives of training with uneven inputs.
 #include "smp_core/join.h"
-#endif
-#if __has_include("smp_core/distributed_model.h")
+// DistributedModel: a libtorch module trained with data parallelism.
 #include "smp_core/distributed_model.h"
-#endif
-#if __has_include("hooks/builtin.h")
+// Built-in comm hooks: by type or name, allreduce and fp16/bf16, PowerSGD, noop.
 #include "hooks/builtin.h"
-#endif
-#if __has_include("hooks/default_hooks.h")
 #include "hooks/default_hooks.h"
-#endif
-#if __has_include("hooks/powersgd.h")
 #include "hooks/powersgd.h"
-#endif
-#if __has_include("hooks/debugging_hooks.h")
 #include "hooks/debugging_hooks.h"
-#endif
-#if __has_include("checkpoint/checkpoint.h")
+// Checkpoints: atomic, verified files.
 #include "checkpoint/checkpoint.h"
-#endif
-#endif  // __has_include
-

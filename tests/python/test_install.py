@@ -3,6 +3,7 @@ program against it with find_package(smp), and install the Python packages with
 tools/install_python.py. Uses the build in SMP_BUILD_DIR (default <repo>/build).
 """
 import os
+import re
 import shutil
 import subprocess
 
@@ -76,6 +77,41 @@ def test_installed_layout(prefix):
     assert not list((prefix / "include").rglob("detail")), "detail/ headers were installed"
     # The umbrella header stays free of torch's big header (STYLE.md, Headers).
     assert "#include <torch/torch.h>" not in (prefix / "include/smp/smp.h").read_text()
+
+
+def quoted_includes(path):
+    """The `#include "..."` targets of a header, in order."""
+    with open(path) as f:
+        return re.findall(r'^\s*#\s*include\s+"([^"]+)"', f.read(), re.M)
+
+
+def test_umbrella_header_is_fixed_and_installed(prefix, consumer):
+    """smp.h names a fixed list of headers (no __has_include, which would drop a
+    missing one silently and shrink the API), every one of them is installed, and so is
+    every smp header they include in turn; the `consumer` fixture compiled against them."""
+    include = prefix / "include" / "smp"
+    umbrella = include / "smp.h"
+    assert "__has_include" not in umbrella.read_text(), \
+        "smp.h must include its headers unconditionally (STYLE.md, Owners and plans)"
+    direct = quoted_includes(umbrella)
+    # The same list as the source tree's smp.h, each of them a header of this repo.
+    assert direct == quoted_includes(os.path.join(REPO, "include", "smp", "smp.h"))
+    for h in direct:
+        assert os.path.isfile(os.path.join(REPO, h)), f"smp.h includes {h}, not in the sources"
+    seen, todo, missing = set(), list(direct), []
+    while todo:
+        h = todo.pop()
+        if h in seen or not os.path.isfile(os.path.join(REPO, h)):
+            continue  # a third-party header, found through the targets' include paths
+        seen.add(h)
+        if not (include / h).is_file():
+            missing.append(h)
+            continue
+        todo.extend(quoted_includes(include / h))
+    assert not missing, f"headers smp.h needs but not installed under {include}: {sorted(missing)}"
+    assert not [h for h in seen if "/detail/" in h], sorted(seen)
+    # The consumer compiled smp.h and calls into its parts (hooks included).
+    assert fields(run([consumer]))["builtin_hooks"] == "10"
 
 
 def test_installed_python_package(prefix):

@@ -57,6 +57,9 @@ int main(int argc, char** argv) {
   for (int p : plan.assignment) std::cout << " " << p;
   std::cout << "\n";
 
+  // The comm hooks' header came with smp.h, and their library links.
+  std::cout << "builtin_hooks: " << smp::hooks::builtin_hook_names().size() << "\n";
+
   smp::barrier(rt.groups().world, t, "final barrier");
   smp::shutdown();
   return 0;

@@ -50,6 +50,7 @@ struct Dispatcher::Impl {
   Handler handler;
   Spawn spawn;
   ErrorEncoder encode_error;
+  ErrorRaiser raise_error;
   RecvOrder order;
   std::chrono::milliseconds timeout;
 
@@ -354,6 +355,14 @@ Dispatcher::~Dispatcher() {
 
 const Schedule& Dispatcher::schedule() const { return impl_->schedule; }
 
+void Dispatcher::set_error_raiser(ErrorRaiser raise) { impl_->raise_error = std::move(raise); }
+
+void Dispatcher::raise_answer(const Message& answer) const {
+  if (impl_->raise_error) impl_->raise_error(answer);
+  throw CommError(str_cat("smp: pp rank ", answer.src, " answered call ", answer.call_id,
+                          " of microbatch ", answer.mb, " with an error: ", answer.meta));
+}
+
 void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_cuda) {
   impl_->crossed();
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -470,8 +479,13 @@ Message Dispatcher::serve_step() {
 
 Message Dispatcher::call(int dst, Message request, int32_t kind, bool backward,
                          const std::string& what, bool for_holder) {
+  impl_->crossed();
+  return request_native(dst, std::move(request), kind, backward, what, for_holder);
+}
+
+Message Dispatcher::request_native(int dst, Message request, int32_t kind, bool backward,
+                                   const std::string& what, bool for_holder) {
   auto& I = *impl_;
-  I.crossed();
   if (I.rng_streams) request.rng = task_rng::capture(I.rng_cuda);
   const int64_t mb = request.mb, call_id = request.call_id;
   I.p2p->send(dst, request);

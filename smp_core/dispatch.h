@@ -53,6 +53,9 @@ class Dispatcher {
   // The meta of a kError answer carrying `what` (a handler that threw): the caller
   // raises it. Default: the text itself.
   using ErrorEncoder = std::function<std::string(const std::string& what)>;
+  // Throws the exception a kError answer or a kAbort carries (the owner's, rebuilt).
+  // Default: CommError with the meta as text.
+  using ErrorRaiser = std::function<void(const Message& answer)>;
 
   Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handler handler, Spawn spawn,
              ErrorEncoder encode_error = nullptr);
@@ -62,6 +65,11 @@ class Dispatcher {
   Dispatcher& operator=(const Dispatcher&) = delete;
 
   const Schedule& schedule() const;
+
+  // Set once, before the first step: how raise_answer() rebuilds an error answer.
+  void set_error_raiser(ErrorRaiser raise);
+  // Throws the error `answer` (kError or kAbort) carries; never returns.
+  [[noreturn]] void raise_answer(const Message& answer) const;
 
   // Starts a step of `microbatches` microbatches ("simple": no forward has finished).
   // `deterministic`: the step's results do not depend on timing. Every microbatch
@@ -96,6 +104,10 @@ class Dispatcher {
   // one the answer brings back.
   Message call(int dst, Message request, int32_t kind, bool backward, const std::string& what,
                bool for_holder = false);
+  // call() from C++ (a remote call's backward node, remote_call.h): the same, not counted
+  // as a crossing, since no Python is involved.
+  Message request_native(int dst, Message request, int32_t kind, bool backward,
+                         const std::string& what, bool for_holder = false);
 
   // A task waiting for the answer (`kind`) of its call `call_id` of microbatch `mb`.
   // Gives up the lead (a serving leader) and the compute token while waiting, runs

@@ -1,6 +1,7 @@
 // Bindings of the pipeline transport (smp_core/p2p): Python builds messages from
 // module calls; C++ moves and matches them.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <optional>
 
@@ -11,6 +12,7 @@
 #include "smp_core/errors.h"
 #include "smp_core/p2p.h"
 #include "smp_core/plan.h"
+#include "smp_core/remote_call.h"
 #include "smp_core/scheduler.h"
 
 namespace py = pybind11;
@@ -203,7 +205,8 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("microbatches", &Dispatcher::Stats::microbatches);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
-                       py::function handler, py::function spawn, py::object encode_error) {
+                       py::function handler, py::function spawn, py::object encode_error,
+                       py::object raise_error) {
              auto h = share(std::move(handler));
              auto sp = share(std::move(spawn));
              Dispatcher::ErrorEncoder enc;
@@ -213,7 +216,7 @@ void bind_pipeline(py::module_& m) {
                  return call_python<std::string>(e, py::str(what));
                };
              }
-             return std::make_shared<Dispatcher>(
+             auto d = std::make_shared<Dispatcher>(
                  std::move(p2p), schedule,
                  [h](const Message& msg) { return call_python<Message>(h, msg); },
                  [sp](std::function<void()> body) {
@@ -224,9 +227,27 @@ void bind_pipeline(py::module_& m) {
                    }));
                  },
                  std::move(enc));
+             if (!raise_error.is_none()) {
+               // raise_error(meta) raises the answer's exception. It must reach the
+               // caller of backward() as that Python exception, not a RuntimeError:
+               // it travels through autograd's engine as torch's python_error.
+               auto r = share(raise_error.cast<py::function>());
+               d->set_error_raiser([r](const Message& answer) {
+                 py::gil_scoped_acquire gil;
+                 try {
+                   (*r)(py::bytes(answer.meta));
+                 } catch (py::error_already_set& e) {
+                   e.restore();
+                   python_error err;
+                   err.persist();
+                   throw err;
+                 }
+               });
+             }
+             return d;
            }),
            py::arg("p2p"), py::arg("schedule"), py::arg("handler"), py::arg("spawn"),
-           py::arg("encode_error") = py::none())
+           py::arg("encode_error") = py::none(), py::arg("raise_error") = py::none())
       .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"),
            py::arg("deterministic") = false, py::arg("rng_cuda") = false, release())
       .def("order_gradients", &Dispatcher::order_gradients, py::arg("params"))
@@ -243,6 +264,21 @@ void bind_pipeline(py::module_& m) {
       .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())
       .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release())
       .def("stats", &Dispatcher::stats);
+  // Note [Remote call node] (smp_core/remote_call.h).
+  m.def("connect_remote_call",
+        [](const std::shared_ptr<Dispatcher>& d, int owner, int64_t mb, int64_t call_id,
+           std::string name, const std::vector<at::Tensor>& inputs,
+           std::vector<at::Tensor> outputs, const std::vector<bool>& requires_grad) {
+          RemoteCallId id{owner, mb, call_id, std::move(name)};
+          return connect_remote_call(d, std::move(id), inputs, std::move(outputs), requires_grad);
+        },
+        py::arg("dispatcher"), py::arg("owner"), py::arg("mb"), py::arg("call_id"),
+        py::arg("name"), py::arg("inputs"), py::arg("outputs"), py::arg("requires_grad"));
+  m.def("parse_gradient_flags",
+        [](const py::bytes& meta, size_t n, const std::string& what) {
+          return parse_gradient_flags(std::string(meta), n, what);
+        },
+        py::arg("meta"), py::arg("n"), py::arg("what") = "a gradient message");
 }
 
 }  // namespace smp::python

@@ -3,9 +3,10 @@
 Calling a module owned by another pp rank (routed by `smp.placement`) sends a
 request (tensors by value, the rest pickled) through the C++
 transport (`smp._C.P2PEngine`); the owner runs the module under autograd and answers
-with the outputs. `_RemoteCall` makes the call one node of the caller's autograd
-graph: its backward sends the output gradients to the owner and waits for the input
-gradients, which the owner computes on the graph it recorded for that call.
+with the outputs. The call is one node of the caller's autograd graph, made in C++
+(Note [Remote call node] in smp_core/remote_call.h): its backward sends the output
+gradients to the owner and waits for the input gradients, which the owner computes on
+the graph it recorded for that call, without entering Python on the caller.
 
 Tasks: the driver (pp rank 0) runs the step body once per microbatch, each in a
 thread; every other rank serves all microbatches' requests with one leading thread.
@@ -35,8 +36,8 @@ import torch.distributed as dist
 
 from smp import _C, core, log, placement
 from smp.nested import TensorSlot, unflatten
-from smp.remote_call import (Call, RemoteCall, anchor, decode, encode_outputs, encode_present,
-                              encode_request, request_plan)
+from smp.remote_call import (Call, decode, encode_outputs, encode_request, gradient_flags,
+                              request_plan)
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
 from smp.workers import Workers
@@ -87,7 +88,7 @@ class Engine:
         self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, core.pp_size(),
                                     self.cfg.active_microbatches)
         self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self._handle,
-                                      self.workers.spawn, _encode_error)
+                                      self.workers.spawn, _encode_error, self._raise_answer)
         self._forwards_first = self.schedule.forwards_before_backwards()
 
     def _set_payload_transport(self, pp_ranks):
@@ -148,8 +149,13 @@ class Engine:
         msg = self.dispatch.call(owner, request, int(kind), bool(_task.backward) or foreign,
                                  what, foreign)
         if msg.kind == K.ERROR or msg.kind == K.ABORT:
-            raise_remote(msg.meta, self.own_error)
+            self._raise_answer(msg.meta)
         return msg
+
+    def _raise_answer(self, meta):
+        """Raises the exception an ERROR answer or the step's ABORT carries (also for the
+        C++ backward of a remote call: Dispatcher.raise_answer)."""
+        raise_remote(meta, self.own_error)
 
     def call(self, name, owner, args, kwargs):
         """Runs module `name` on pp rank `owner` for the current microbatch."""
@@ -162,12 +168,9 @@ class Engine:
         meta = encode_request(name, args, kwargs, tensors, grad,
                               placement.mode_flags(self.subtrees[name]))
         call = Call(self, name, owner, mb, self._next_call_id(mb), meta)
+        outs = call.forward(tensors)
         if grad:
-            outs = RemoteCall.apply(call, anchor(), *tensors)
-            if not isinstance(outs, tuple):
-                outs = (outs,)
-        else:
-            outs = call.forward(tensors)
+            outs = call.connect(tensors, outs)
         if type(call.out_skeleton) is TensorSlot:  # one tensor returned
             return outs[call.out_skeleton.index]
         return unflatten(call.out_skeleton, list(outs))
@@ -215,7 +218,7 @@ class Engine:
                     self.records[key] = (inputs, outs)
                 return _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
                                   [t.detach() for t in outs])
-        present = decode(msg.meta)
+        present = msg.meta  # a flag byte per output (smp_core/remote_call.h)
         inputs, outs = self.records.pop(key)
         self.model.begin_pipeline_backward()
         grads = iter(msg.tensors)
@@ -226,7 +229,7 @@ class Engine:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 self.compute_s += time.perf_counter() - t
             in_grads = [t.grad if t.requires_grad else None for t in inputs]
-            meta = encode_present(tuple(g is not None for g in in_grads))
+            meta = gradient_flags(g is not None for g in in_grads)
             return _C.Message(msg.mb, msg.call_id, K.BACKWARD_RESPONSE, meta,
                               [g for g in in_grads if g is not None])
 

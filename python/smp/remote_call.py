@@ -1,7 +1,7 @@
 """One call of a module owned by another pp rank, as one node of the caller's autograd
-graph: `_RemoteCall.forward` sends the request and returns the owner's outputs; its
-backward sends the output gradients and returns the input gradients the owner
-computed on the graph it kept for that call."""
+graph: `Call.forward` sends the request and returns the owner's outputs; `Call.connect`
+makes them outputs of a C++ autograd node whose backward sends the output gradients and
+returns the input gradients the owner computed on the graph it kept for that call."""
 import pickle
 
 import torch
@@ -9,7 +9,6 @@ import torch
 from smp import _C
 from smp.memo import Memo
 from smp.nested import TensorSlot, flatten
-from smp.task import current as _task
 from smp.timeline import timeline
 
 __all__ = []
@@ -20,11 +19,10 @@ K = _C.MsgKind
 _ANCHOR = None
 
 # What repeats every microbatch and every step, memoized (smp/memo.py): decoded
-# metadata, request plans, the metadata of positional requests and of gradient flags.
+# metadata, request plans and the metadata of positional requests.
 _DECODED = Memo()
 _PLANS = Memo()
 _REQUESTS = Memo()
-_PRESENT = Memo()
 
 
 _SCALARS = (int, float, complex, bool, str, bytes, type(None), TensorSlot, torch.dtype,
@@ -83,9 +81,10 @@ def encode_outputs(out, outs):
     return pickle.dumps((skeleton, [t.requires_grad for t in outs]))
 
 
-def encode_present(present):
-    """Metadata of which gradients a BACKWARD message carries (a tuple of bools)."""
-    return _PRESENT.get(present, lambda: pickle.dumps(list(present)))
+def gradient_flags(present):
+    """Metadata of which gradients a BACKWARD message carries: a byte per tensor, 1 where
+    it is sent (Note [Remote call node] in smp_core/remote_call.h)."""
+    return bytes(bool(p) for p in present)
 
 
 def decode(meta):
@@ -105,7 +104,10 @@ def anchor():
 
 
 class Call:
-    """One remote call: its identity and the owner's answer."""
+    """One remote call: its identity and the owner's answer. Its backward is a C++
+    autograd node (`_C.connect_remote_call`, Note [Remote call node] in
+    smp_core/remote_call.h): it sends the output gradients and takes the input gradients
+    without entering Python."""
 
     def __init__(self, engine, name, owner, mb, call_id, meta):
         self.engine, self.name, self.owner, self.mb, self.call_id = engine, name, owner, mb, call_id
@@ -125,37 +127,8 @@ class Call:
         self.out_skeleton, self.out_requires_grad = decode(msg.meta)
         return msg.tensors
 
-    def backward(self, grads):
-        e = self.engine
-        present = [g is not None and rg for g, rg in zip(grads, self.out_requires_grad)]
-        sent = [g.contiguous() for g, p in zip(grads, present) if p]
-        with timeline.span(f"call bwd {self.name}", mb=self.mb):
-            msg = e.call_remote(self.owner,
-                                _C.Message(self.mb, self.call_id, K.BACKWARD_REQUEST,
-                                           encode_present(tuple(present)), sent),
-                                K.BACKWARD_RESPONSE, f"the input gradients of '{self.name}' "
-                                f"(microbatch {self.mb}, call {self.call_id}) from pp rank "
-                                f"{self.owner}")
-        flags = decode(msg.meta)
-        got = iter(msg.tensors)
-        return [next(got) if f else None for f in flags]
-
-
-class RemoteCall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, call, anchor, *inputs):
-        outs = call.forward(list(inputs))
-        ctx.call = call
-        ctx.mark_non_differentiable(*[o for o, rg in zip(outs, call.out_requires_grad)
-                                      if not rg])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        prev = _task.backward
-        _task.backward = True
-        try:
-            in_grads = ctx.call.backward(grads)
-        finally:
-            _task.backward = prev
-        return (None, None) + tuple(in_grads)
+    def connect(self, tensors, outs):
+        """`outs` (the answer), as outputs of the call's autograd node over `tensors`."""
+        return _C.connect_remote_call(self.engine.dispatch, self.owner, self.mb, self.call_id,
+                                      self.name, [anchor()] + tensors, outs,
+                                      self.out_requires_grad)

@@ -8,6 +8,8 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -38,6 +40,17 @@ ProcessGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
 // 2.15). Holding it keeps the node (and the hooks on it) alive.
 using GradAccumulatorPtr =
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+// A new autograd node of type T, owned the way this torch owns nodes (the same split as
+// GradAccumulatorPtr): c10::make_intrusive in torch 2.x, std::shared_ptr in 1.13.
+template <class T, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  } else {
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...));
+  }
+}
 
 // Name of the backend of `pg` ("gloo", "nccl", ...).
 std::string backend_name(const ProcessGroupPtr& pg);

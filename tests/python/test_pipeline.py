@@ -344,3 +344,90 @@ def test_timeline_written(ranks, tmp_path):
         events = json.loads(text if text.rstrip().endswith("]") else text + "]")
         names = {e["name"] for e in events}
         assert any(n.startswith("fwd") or n.startswith("call") for n in names), names
+
+
+def test_remote_backward_exception_raised_on_every_rank(ranks):
+    # The owner's backward raises: the driver's remote-call node (C++, Note [Remote call
+    # node] in smp_core/remote_call.h) raises the owner's exception, its type kept, out
+    # of model.backward(), and every rank raises the same error.
+    script = MODELS + r"""
+import sys
+class Fails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+    @staticmethod
+    def backward(ctx, g):
+        raise KeyError("kaboom in backward")
+class BadGrad(nn.Linear):
+    def forward(self, x):
+        return Fails.apply(super().forward(x))
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        with smp.partition(1):
+            self.b = BadGrad(8, 8)
+    def forward(self, x):
+        return self.b(self.a(x))
+smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False,
+          "default_partition": 0, "timeout_s": 60})
+model = smp.DistributedModel(Two())
+@smp.step
+def step(x):
+    out = model(x)
+    model.backward(out.sum())
+    return out
+try:
+    step(torch.randn(4, 8))
+except KeyError as e:
+    print("raised:", e, "| remote:", "pp rank 1" in str(e.__cause__))
+    sys.exit(3)
+"""
+    res = ranks(script, 2, check=False, timeout=120)
+    for r, remote in zip(res, ["True", "False"]):
+        assert r.returncode == 3, r
+        assert f"raised: 'kaboom in backward' | remote: {remote}" in r.stdout, r
+        m = re.search(r"smp: step 1 failed at pp rank 1, microbatch ([01]), backward", r.stderr)
+        assert m, r
+        assert f"[B{m.group(1)}]" in r.stderr, r
+
+
+def test_crossings_per_microbatch_at_most_three(ranks):
+    # Python<->C++ crossings through the dispatcher (Dispatcher::Stats::crossings) for a
+    # microbatch that makes one remote call: the driver's step body and forward call;
+    # the call's backward stays in C++. Counted on every rank over steps 2-4 of pp=2 x
+    # mb=8 (the step's own entries and threads are shared by its 8 microbatches).
+    script = MODELS + r"""
+import json
+class Halves(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.front = nn.Sequential(nn.Linear(8, d), nn.Tanh(), Block(d))
+        with smp.partition(1):
+            self.back = nn.Sequential(Block(d), Block(d), nn.Linear(d, 3))
+    def forward(self, x):
+        return self.back(self.front(x))
+smp.init({"partitions": 2, "microbatches": 8, "auto_partition": False,
+          "default_partition": 0})
+torch.manual_seed(0)
+model = smp.DistributedModel(Halves())
+@smp.step
+def step(x, y):
+    loss = nn.functional.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+x, y = torch.randn(16, 8), torch.randn(16, 3)
+step(x, y)
+d0 = model._engine.dispatch.stats()
+for _ in range(3):
+    step(x, y)
+d1 = model._engine.dispatch.stats()
+per_mb = (d1.crossings - d0.crossings) / (d1.microbatches - d0.microbatches)
+print("crossings", json.dumps({"rank": smp.pp_rank(), "per_mb": per_mb}))
+"""
+    res = ranks(script, 2, timeout=120)
+    for r in res:
+        got = json.loads(r.stdout.split("crossings", 1)[1].splitlines()[0])
+        print("crossings per microbatch", got)
+        assert 0 < got["per_mb"] <= 3, got

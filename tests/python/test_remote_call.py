@@ -4,10 +4,12 @@ calls. No processes: these are the pure functions both ends use."""
 import pickle
 
 import numpy as np
+import pytest
 import torch
 
 from smp.nested import TensorSlot, flatten, unflatten
-from smp.remote_call import decode, encode_outputs, encode_present, encode_request, request_plan
+from smp import _C
+from smp.remote_call import decode, encode_outputs, encode_request, gradient_flags, request_plan
 
 
 def _general(name, args, kwargs, grad, flags):
@@ -63,9 +65,17 @@ def test_one_tensor_output_meta_decodes_to_the_general_form():
     assert isinstance(unflatten(skeleton, outs)[1]["a"], torch.Tensor)
 
 
-def test_present_flags_round_trip():
-    for present in [(), (True,), (True, False, True)]:
-        assert decode(encode_present(present)) == list(present)
+def test_gradient_flags_round_trip_through_the_cpp_reader():
+    """The flags Python's owner writes are what the C++ remote-call node reads."""
+    for present in [(), (True,), (True, False, True), (False, False)]:
+        assert _C.parse_gradient_flags(gradient_flags(present), len(present)) == list(present)
+
+
+def test_malformed_gradient_flags_are_named():
+    with pytest.raises(RuntimeError, match="flags 2 tensors, expected 3"):
+        _C.parse_gradient_flags(b"\x01\x00", 3, "the input gradients of 'x'")
+    with pytest.raises(RuntimeError, match="flag byte 7 .allowed: 0, 1."):
+        _C.parse_gradient_flags(b"\x01\x07", 2)
 
 
 def test_objects_a_module_could_change_are_never_shared_between_calls():

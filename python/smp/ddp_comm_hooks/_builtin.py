@@ -47,15 +47,22 @@ def run(hook, state, bucket, channel_size=512):
 class CompressWrapper:
     """What fp16_compress_wrapper(hook) / bf16_compress_wrapper(hook) return: a hook
     `(state, bucket)` that runs `hook` on a compressed copy of the bucket. Pickles as
-    the wrapper of the same hook."""
+    the wrapper of the same hook, by the wrapper's name (so that pickles keep loading if
+    `_C.BuiltinCommHookType` grows).
+
+    `kind`: a wrapper's `_C.BuiltinCommHookType`, or its name (what pickles hold)."""
 
     def __init__(self, kind, hook):
+        kind = kind if isinstance(kind, _C.BuiltinCommHookType) else \
+            _C.BuiltinCommHookType.from_hook_name(kind)
+        if not kind.is_wrapper:
+            raise ValueError(f"smp: CompressWrapper({kind.hook_name!r}): not a wrapper")
         if not callable(hook):
-            raise ValueError(f"smp: {kind}(hook={hook!r}): hook is not callable")
-        self._kind = kind
+            raise ValueError(f"smp: {kind.hook_name}(hook={hook!r}): hook is not callable")
+        self._kind = kind.hook_name
         self._inner = hook
         inner = native_of(hook) or hook
-        self._smp_builtin = getattr(_C, kind)(inner)
+        self._smp_builtin = _C.BuiltinHook(kind, inner)
         name = getattr(hook, "__name__", type(hook).__name__)
         self.__name__ = self.__qualname__ = f"{kind}_hook"
         self._inner_name = name

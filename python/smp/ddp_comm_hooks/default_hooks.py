@@ -50,9 +50,9 @@ def fp16_compress_wrapper(hook):
     Raises:
         ValueError: `hook` is not callable.
     """
-    return CompressWrapper("fp16_compress_wrapper", hook)
+    return CompressWrapper(_C.BuiltinCommHookType.FP16_COMPRESS_WRAPPER, hook)
 
 
 def bf16_compress_wrapper(hook):
     """`hook` run on a bfloat16 copy of the bucket (see fp16_compress_wrapper)."""
-    return CompressWrapper("bf16_compress_wrapper", hook)
+    return CompressWrapper(_C.BuiltinCommHookType.BF16_COMPRESS_WRAPPER, hook)

@@ -36,7 +36,7 @@ void spawn_thread(std::function<void()> body) { std::thread(std::move(body)).det
 struct Owner {
   at::Tensor w = at::full({3}, 3.f).requires_grad_();
   std::mutex mu;
-  std::map<int64_t, std::pair<at::Tensor, at::Tensor>> graphs;  // call -> (x, y)
+  std::map<std::pair<int64_t, int64_t>, std::pair<at::Tensor, at::Tensor>> graphs;  // (mb, call) -> (x, y)
   std::vector<std::string> backward_metas;
   bool fail_backward = false;
 
@@ -45,7 +45,7 @@ struct Owner {
     if (req.kind == kRequest) {
       at::Tensor x = req.tensors.at(0).clone().requires_grad_();
       at::Tensor y = x * w;
-      graphs[req.call_id] = {x, y};
+      graphs[{req.mb, req.call_id}] = {x, y};
       return make(0, 0, kResponse, {y.detach()});
     }
     backward_metas.push_back(req.meta);
@@ -54,7 +54,7 @@ struct Owner {
       err.meta = "kaboom in the owner's backward";
       return err;
     }
-    auto [x, y] = graphs.at(req.call_id);
+    auto [x, y] = graphs.at({req.mb, req.call_id});
     torch::autograd::backward({y}, {req.tensors.at(0)});
     Message out = make(0, 0, kBackwardResponse, {x.grad()});
     out.meta = gradient_flags({true});

@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <tuple>
 
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/autograd_graph.h"
@@ -41,6 +45,80 @@ class RestoreRng {
  private:
   std::string state_;
 };
+
+// Note [Executed plan]
+// The runtime executes the step's plan (smp_core/plan.h) as written, as
+// torch.distributed.pipelining runs its pipeline_order: each rank's compute token goes
+// to its planned actions in the plan's order (Note [Planned token order] in p2p.h), so
+// the action next in the list waits for its turn even when a later one is ready.
+//  - The plan comes from the calls recorded in the driver's previous training step:
+//    when every microbatch called the same pp ranks in the same order, with a backward
+//    call for each forward call in reverse (no call made from another rank's module),
+//    the path is 0, d1, 0, d2, ..., 0 and Plan::compile builds every rank's list for
+//    the schedule's kind and window, under the runtime's own constraints (PlanOptions
+//    gradient_order and fused_last: a microbatch's backward work on a rank starts
+//    after the previous one's is over there, since its gradients would wait for that
+//    anyway). The driver sends the path (kPlan) to every pp rank before its first
+//    request; each compiles the same plan.
+//  - Admissions: a task takes the token at the start of each compute action: a
+//    microbatch's step body (F of hop 0), a served request (F or B), the driver going on
+//    after an answer (the next F or B of its microbatch) or, under "simple", starting
+//    its backward. Each is the n-th action of (microbatch, phase) on this rank and gets
+//    that action's position in the rank's list. On the driver the backward of the last
+//    hop follows its forward without a wait (loss.backward() in the step body), so the
+//    two are one admission, except under "simple". A task taking the token back in
+//    the middle of an action (after Note [Gradient order]'s wait) keeps its position.
+//  - Leaving the plan: the driver checks each call of a microbatch against the path,
+//    and that the microbatch made them all; any rank checks that each admission is in
+//    its list and that nothing else (a nested request) arrives instead of an answer.
+//    A step that differs (data-dependent control flow) leaves the plan: the rank that
+//    sees it sends kPlanOff to every pp rank, which go on in the dynamic order
+//    (priorities and receive order) for the rest of the step; Stats::plan_fallbacks
+//    counts it. Numbers do not depend on which: a microbatch's random stream and the
+//    order its gradients sum in are fixed either way (Note [Microbatch random streams],
+//    Note [Gradient order]).
+//  - A step that runs no backward (begin_step's `planned` false) runs without a plan
+//    and keeps the recorded path for the next training step.
+
+PlanKind plan_kind_of(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kSimple: return PlanKind::kSimple;
+    case ScheduleKind::kOneFOneB: return PlanKind::k1F1B;
+    case ScheduleKind::kInterleaved: break;
+  }
+  return PlanKind::kInterleaved;
+}
+
+// The driver's calls of a microbatch on `path`: (destination, backward) in order.
+std::vector<std::pair<int, bool>> calls_on(const std::vector<int64_t>& path) {
+  std::vector<std::pair<int, bool>> calls;
+  for (size_t h = 1; h + 1 < path.size(); h += 2) calls.emplace_back(static_cast<int>(path[h]), false);
+  for (size_t i = calls.size(); i-- > 0;) calls.emplace_back(calls[i].first, true);
+  return calls;
+}
+
+// The path a microbatch's calls describe when they are forward calls then the same
+// ones' backward calls in reverse; empty otherwise.
+std::vector<int64_t> path_of(const std::vector<std::pair<int, bool>>& calls) {
+  std::vector<int64_t> path{0};
+  for (const auto& [dst, backward] : calls) {
+    if (backward) break;
+    path.push_back(dst);
+    path.push_back(0);
+  }
+  if (path.size() < 3 || calls_on(path) != calls) return {};
+  return path;
+}
+
+std::string encode_ints(const std::vector<int64_t>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
+}
+
+std::vector<int64_t> decode_ints(const std::string& s) {
+  std::vector<int64_t> v(s.size() / sizeof(int64_t));
+  std::memcpy(v.data(), s.data(), v.size() * sizeof(int64_t));
+  return v;
+}
 
 }  // namespace
 
@@ -77,6 +155,17 @@ struct Dispatcher::Impl {
   std::vector<compat::GradAccumulatorPtr> accumulators;
   std::vector<torch::autograd::FunctionPreHook*> gate_hooks;
   Stats stats;
+  // Note [Executed plan].
+  bool plan_wanted = false;     // begin_step's `planned`
+  bool plan_on = false;         // this step executes `plan` (until it leaves it)
+  std::optional<Plan> plan;     // this (or the last planned) step's
+  std::vector<Action> admissions;  // this rank's, in order
+  std::map<std::tuple<int64_t, int32_t, int64_t>, int64_t> position;  // (mb, phase, n) ->
+  std::map<std::pair<int64_t, int32_t>, int64_t> admitted;            // (mb, phase) -> n
+  std::vector<std::pair<int, bool>> expected_calls;  // driver: each microbatch's
+  std::vector<std::vector<std::pair<int, bool>>> calls;  // driver: this step's, per mb
+  std::vector<int64_t> recorded_path;  // driver: the last training step's, if uniform
+  bool nested_seen = false;            // driver: served a request this step
 
   Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp, ErrorEncoder e)
       : p2p(std::move(p)), schedule(std::move(s)), handler(std::move(h)), spawn(std::move(sp)),
@@ -192,7 +281,7 @@ struct Dispatcher::Impl {
     task.mb = msg.mb;
     task.rng = msg.rng;
     TaskScope scope(&task);
-    p2p->acquire_token(schedule.priority(msg.mb, phase_of(msg)));
+    p2p->acquire_token(admit(msg.mb, phase_of(msg)));
     struct Release {
       P2PEngine& p;
       ~Release() { p.release_token(); }
@@ -223,8 +312,29 @@ struct Dispatcher::Impl {
       }
       leading = this;
       while (leading == this && !over_now()) {
-        Message msg = p2p->recv(kAny, kAny, kServeMask | bit(kStepEnd),
-                                "work from the pipeline driver (pp rank 0)", false, 0, order);
+        // Under a plan the leader takes the request whose turn it is and no other, so
+        // that it never waits for the token holding a request while the one next in the
+        // plan sits in the mailbox (Note [Executed plan]).
+        int64_t want_mb = kAny;
+        uint32_t mask = kServeMask | bit(kStepEnd) | bit(kPlan);
+        if (const auto next = next_planned_request()) {
+          want_mb = next->first;
+          mask = bit(next->second) | bit(kAbort) | bit(kStepEnd) | bit(kPlanOff);
+        }
+        Message msg = p2p->recv(want_mb, kAny, mask, "work from the pipeline driver (pp rank 0)",
+                                false, 0, order);
+        if (msg.kind == kPlanOff) {  // another rank left the plan: so does this one
+          leave_plan_on_word();
+          continue;
+        }
+        if (msg.kind == kPlan) {  // Note [Executed plan]: the driver's, before its requests
+          const std::vector<int64_t> words = decode_ints(msg.meta);
+          const bool ok = words.size() >= 2 &&
+                          install_plan(words[0], std::vector<int64_t>(words.begin() + 1, words.end()));
+          if (ok) p2p->order_token(true);
+          else leave_plan();
+          continue;
+        }
         if (!is_request(msg)) {  // the step's end or abort: serve_step returns it
           std::lock_guard<std::mutex> lock(mu);
           if (end.kind == 0) end = std::move(msg);
@@ -287,14 +397,18 @@ struct Dispatcher::Impl {
   void gate() {
     if (!ordering) return;
     const int64_t mb = p2p->token_microbatch();
+    if (p2p->rank() == 0) backward_begins(mb);
     int64_t below = floor.load();
     if (mb <= below) return;  // also: no task holds the token (-1)
     {
       std::lock_guard<std::mutex> lock(mu);
       stats.ordered_waits++;
     }
+    // Taken back at the position it had: the action goes on (Note [Executed plan]).
+    const int64_t held = p2p->token_priority();
+    const auto priority = p2p->token_ordered() && held >= 0 ? held
+                                                             : schedule.priority(mb, Phase::kBackward);
     resign();  // a serving leader: the earlier microbatch's requests must still be served
-    const auto priority = schedule.priority(mb, Phase::kBackward);
     while (below < mb) {
       Message m = p2p->recv(below, kAny, bit(kMicrobatchDone) | bit(kAbort) | bit(kStepEnd),
                             str_cat("the end of microbatch ", below, "'s backward work, before "
@@ -321,6 +435,171 @@ struct Dispatcher::Impl {
     if (total == 0) return;  // an evaluation step says nothing about training steps
     if (!last_units.empty() && last_units != units) stats.unplanned_steps++;
     last_units = units;
+  }
+
+  // Note [Executed plan]: makes `path` this step's plan on this rank; false if the
+  // plan cannot be built (then the step runs in the dynamic order).
+  bool install_plan(int64_t microbatches, const std::vector<int64_t>& path) {
+    const auto& so = schedule.options();
+    std::optional<Plan> p;
+    try {
+      PlanOptions o{plan_kind_of(so.kind), microbatches, so.stages, so.active_microbatches, path,
+                    PlanCosts{}};
+      o.gradient_order = true;
+      o.fused_last = so.kind != ScheduleKind::kSimple;
+      p = Plan::compile(o);
+    } catch (const std::exception&) {
+      return false;
+    }
+    const int64_t me = p2p->rank();
+    const int64_t last = static_cast<int64_t>(path.size()) - 1;
+    const bool absorb = me == path[last] && so.kind != ScheduleKind::kSimple;
+    std::vector<Action> mine;
+    std::map<std::tuple<int64_t, int32_t, int64_t>, int64_t> pos;
+    std::map<std::pair<int64_t, int32_t>, int64_t> count;
+    for (const Action& a : p->compute()[me]) {
+      if (absorb && a.op == Op::kBackward && a.hop == last) continue;
+      if (a.op != Op::kForward && a.op != Op::kBackward) return false;  // no I/W at run time
+      const int32_t phase = static_cast<int32_t>(a.op == Op::kForward ? Phase::kForward
+                                                                         : Phase::kBackward);
+      pos[{a.mb, phase, count[{a.mb, phase}]++}] = static_cast<int64_t>(mine.size());
+      mine.push_back(a);
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    plan = std::move(p);
+    admissions = std::move(mine);
+    position = std::move(pos);
+    admitted.clear();
+    expected_calls = calls_on(path);
+    plan_on = true;
+    stats.planned_steps++;
+    return true;
+  }
+
+  bool planned_now() {
+    std::lock_guard<std::mutex> lock(mu);
+    return plan_on;
+  }
+
+  // The token priority of a task starting its next action of (mb, phase) here.
+  int64_t admit(int64_t mb, Phase phase) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!plan_on) return schedule.priority(mb, phase);
+      const auto key = std::make_pair(mb, static_cast<int32_t>(phase));
+      const int64_t n = admitted[key]++;
+      auto it = position.find({mb, key.second, n});
+      if (it != position.end()) return it->second;
+    }
+    leave_plan();
+    return schedule.priority(mb, phase);
+  }
+
+  // The step differs from its plan: this rank and every other go on in the dynamic order.
+  void leave_plan() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!plan_on) return;
+      plan_on = false;
+      stats.plan_fallbacks++;
+    }
+    p2p->order_token(false);
+    Message off;
+    off.mb = -1;
+    off.kind = kPlanOff;
+    for (int r = 0; r < p2p->size(); ++r) {
+      if (r == p2p->rank()) continue;
+      try {
+        p2p->send(r, off);
+      } catch (...) {  // a peer gone: the step fails on its own
+      }
+    }
+  }
+
+  // A serving leader: the microbatch and request kind of the action whose turn it is,
+  // while this rank executes a plan.
+  std::optional<std::pair<int64_t, int32_t>> next_planned_request() {
+    const int64_t next = p2p->next_planned();
+    std::lock_guard<std::mutex> lock(mu);
+    if (!plan_on || next < 0 || next >= static_cast<int64_t>(admissions.size())) return {};
+    const Action& a = admissions[next];
+    return std::make_pair(a.mb, a.op == Op::kForward ? kRequest : kBackwardRequest);
+  }
+
+  // Another rank's kPlanOff: this rank leaves the plan too (counted here as well).
+  void leave_plan_on_word() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!plan_on) return;
+      plan_on = false;
+      stats.plan_fallbacks++;
+    }
+    p2p->order_token(false);
+  }
+
+  // The step is over: the token goes by priority (nothing counted).
+  void leave_plan_quietly() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      plan_on = false;
+    }
+    p2p->order_token(false);
+  }
+
+  // Driver: microbatch `mb` calls `dst` (a forward or backward call).
+  void record_call(int64_t mb, int dst, bool backward) {
+    bool off = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (mb < 0 || mb >= static_cast<int64_t>(calls.size())) return;
+      auto& mine = calls[mb];
+      mine.emplace_back(dst, backward);
+      const size_t k = mine.size() - 1;
+      off = plan_on && (k >= expected_calls.size() || expected_calls[k] != mine.back());
+    }
+    if (off) leave_plan();
+  }
+
+  // Driver: microbatch `mb` begins its backward (its gradients are about to
+  // accumulate, or "simple"'s barrier). A microbatch that made fewer forward calls
+  // than planned ends its forward here: the ranks waiting for the rest must hear it
+  // now, before this task waits for anything (Note [Executed plan]).
+  void backward_begins(int64_t mb) {
+    bool off = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!plan_on || mb < 0 || mb >= static_cast<int64_t>(calls.size())) return;
+      size_t planned_forward = 0;
+      for (const auto& c : expected_calls) planned_forward += !c.second;
+      size_t made = 0;
+      for (const auto& c : calls[mb]) made += !c.second;
+      off = made < planned_forward;
+    }
+    if (off) leave_plan();
+  }
+
+  // Driver: microbatch `mb`'s step body returned.
+  void microbatch_over(int64_t mb) {
+    bool off = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      off = plan_on && mb >= 0 && mb < static_cast<int64_t>(calls.size()) &&
+            calls[mb] != expected_calls;
+    }
+    if (off) leave_plan();
+  }
+
+  // Driver, after a step: the path its calls describe, for the next training step.
+  void record_path() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!plan_wanted) return;  // an evaluation step says nothing about training steps
+    std::vector<int64_t> path;
+    if (!nested_seen && !calls.empty()) {
+      path = path_of(calls[0]);
+      for (const auto& c : calls)
+        if (c != calls[0]) path.clear();
+    }
+    recorded_path = std::move(path);
   }
 
   void rethrow_error() {
@@ -363,7 +642,8 @@ void Dispatcher::raise_answer(const Message& answer) const {
                           " of microbatch ", answer.mb, " with an error: ", answer.meta));
 }
 
-void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_cuda) {
+void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_cuda,
+                            bool planned) {
   impl_->crossed();
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->stats.microbatches += std::max<int64_t>(microbatches, 0);
@@ -384,6 +664,13 @@ void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_c
   impl_->idle = 0;
   impl_->error = nullptr;
   impl_->end = Message();
+  // Note [Executed plan]: the plan of this step is installed by drive() (the driver)
+  // or by the driver's kPlan (a serving rank).
+  impl_->plan_wanted = planned;
+  impl_->plan_on = false;
+  impl_->admitted.clear();
+  impl_->calls.assign(static_cast<size_t>(std::max<int64_t>(microbatches, 0)), {});
+  impl_->nested_seen = false;
 }
 
 void Dispatcher::drive(MicrobatchFn run) {
@@ -395,30 +682,56 @@ void Dispatcher::drive(MicrobatchFn run) {
   const bool streams = I.rng_streams;
   const uint64_t seed = I.step_seed;
   const RestoreRng outer(streams, I.rng_cuda);
+  // Note [Executed plan]: the path the last training step's calls took, as this step's
+  // plan, announced to every pp rank before any request.
+  std::vector<int64_t> path;
+  {
+    std::lock_guard<std::mutex> lock(I.mu);
+    if (I.plan_wanted) path = I.recorded_path;
+  }
+  if (!path.empty() && I.install_plan(n, path)) {
+    std::vector<int64_t> words{n};
+    words.insert(words.end(), path.begin(), path.end());
+    Message announce;
+    announce.mb = -1;
+    announce.kind = kPlan;
+    announce.meta = encode_ints(words);
+    for (int r = 1; r < I.p2p->size(); ++r) I.p2p->send(r, announce);
+    I.p2p->order_token(true);
+  }
   auto worker = [&I, n, run, streams, seed] {
     while (true) {
-      // Claim the next microbatch while holding the token, so microbatches start in
-      // order (the priority asked for is that of the one next when it was asked). The
-      // stream is the one of the microbatch expected; if another thread claimed that
-      // one meanwhile, the one claimed gets its own before any work runs.
-      const int64_t expected = I.next_mb.load();
+      // Under a plan a microbatch is claimed first and starts at its planned turn.
+      // Otherwise the next microbatch is claimed while holding the token, so
+      // microbatches start in order (the priority asked for is that of the one next
+      // when it was asked). The stream is the one of the microbatch expected; if
+      // another thread claimed that one meanwhile, the one claimed gets its own before
+      // any work runs.
+      const bool claim_first = I.planned_now();
+      int64_t mb = claim_first ? I.next_mb.fetch_add(1) : I.next_mb.load();
+      if (claim_first && mb >= n) return;
       TaskContext task;
-      task.mb = expected;
-      if (streams) task.rng = task_rng::derive(seed, expected, I.rng_cuda);
-      TaskScope scope(&task);
-      I.p2p->acquire_token(I.schedule.priority(expected, Phase::kForward));
-      const int64_t mb = I.next_mb.fetch_add(1);
-      if (mb >= n) {
-        I.p2p->release_token();
-        return;
-      }
       task.mb = mb;
-      if (streams && mb != expected) task_rng::install(task_rng::derive(seed, mb, I.rng_cuda));
+      if (streams) task.rng = task_rng::derive(seed, mb, I.rng_cuda);
+      TaskScope scope(&task);
+      I.p2p->acquire_token(claim_first ? I.admit(mb, Phase::kForward)
+                                       : I.schedule.priority(mb, Phase::kForward));
+      if (!claim_first) {
+        const int64_t expected = mb;
+        mb = I.next_mb.fetch_add(1);
+        if (mb >= n) {
+          I.p2p->release_token();
+          return;
+        }
+        task.mb = mb;
+        if (streams && mb != expected) task_rng::install(task_rng::derive(seed, mb, I.rng_cuda));
+      }
       struct Done {
         Dispatcher::Impl& I;
         int64_t mb;
         ~Done() {
           I.p2p->release_token();
+          I.microbatch_over(mb);  // Note [Executed plan]
           if (I.ordering) I.announce_done(mb, true);  // Note [Gradient order]
           std::lock_guard<std::mutex> lock(I.mu);  // a failed or eval microbatch must not block
           I.forwards_done.insert(mb);
@@ -440,8 +753,10 @@ void Dispatcher::drive(MicrobatchFn run) {
     }
   }
   I.join();
+  I.leave_plan_quietly();
   if (start_error) std::rethrow_exception(start_error);
   I.rethrow_error();
+  I.record_path();
 }
 
 Message Dispatcher::serve_step() {
@@ -486,6 +801,7 @@ Message Dispatcher::call(int dst, Message request, int32_t kind, bool backward,
 Message Dispatcher::request_native(int dst, Message request, int32_t kind, bool backward,
                                    const std::string& what, bool for_holder) {
   auto& I = *impl_;
+  if (I.p2p->rank() == 0) I.record_call(request.mb, dst, backward);  // Note [Executed plan]
   if (I.rng_streams) request.rng = task_rng::capture(I.rng_cuda);
   const int64_t mb = request.mb, call_id = request.call_id;
   I.p2p->send(dst, request);
@@ -499,11 +815,18 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
   auto& I = *impl_;
   I.resign();
   const uint32_t mask = bit(kind) | bit(kError) | kServeMask;
-  const int64_t priority = I.schedule.priority(mb, backward ? Phase::kBackward : Phase::kForward);
+  const Phase phase = backward ? Phase::kBackward : Phase::kForward;
   while (true) {
+    // The answer starts this task's next action (Note [Executed plan]).
+    const int64_t priority = I.admit(mb, phase);
     Message msg = I.p2p->recv(mb, kAny, mask, what, /*yield_token=*/true, priority,
                               RecvOrder::kArrival, for_holder);
     if (is_request(msg)) {  // a nested call back into this rank: run it here
+      {
+        std::lock_guard<std::mutex> lock(I.mu);
+        I.nested_seen = true;
+      }
+      I.leave_plan();  // no plan has nested calls
       I.run_held(msg);
       continue;
     }
@@ -537,6 +860,37 @@ Dispatcher::Stats Dispatcher::stats() const {
   return s;
 }
 
+std::vector<std::string> Dispatcher::planned_actions() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<std::string> out;
+  for (const Action& a : impl_->admissions) out.push_back(a.str(/*with_hop=*/true));
+  return out;
+}
+
+std::vector<std::string> Dispatcher::executed_actions() const {
+  std::vector<int64_t> granted = impl_->p2p->planned_grants();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<std::string> out;
+  for (int64_t i : granted)
+    if (i >= 0 && i < static_cast<int64_t>(impl_->admissions.size()))
+      out.push_back(impl_->admissions[i].str(/*with_hop=*/true));
+  return out;
+}
+
+std::string Dispatcher::plan_text(const FailedCell* failed) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->plan) return "";
+  const Plan& p = *impl_->plan;
+  if (!failed || failed->stage < 0 || failed->stage >= static_cast<int64_t>(p.compute().size()))
+    return p.format();
+  // The failed cell's first action of its phase on its rank.
+  const Op op = failed->phase == Phase::kForward ? Op::kForward : Op::kBackward;
+  for (const Action& a : p.compute().at(failed->stage))
+    if (a.mb == failed->mb && (a.op == op || (op == Op::kBackward && a.op == Op::kBackwardInput)))
+      return p.format(&a, failed->stage);
+  return p.format();
+}
+
 void Dispatcher::forward_finished(int64_t mb) {
   impl_->crossed();
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -548,6 +902,7 @@ void Dispatcher::wait_all_forwards(int64_t mb) {
   auto& I = *impl_;
   I.crossed();
   if (!I.schedule.forwards_before_backwards()) return;
+  if (I.p2p->rank() == 0) I.backward_begins(mb);
   I.p2p->release_token();
   bool done;
   {
@@ -556,7 +911,7 @@ void Dispatcher::wait_all_forwards(int64_t mb) {
       return static_cast<int64_t>(I.forwards_done.size()) >= I.microbatches;
     });
   }
-  I.p2p->acquire_token(I.schedule.priority(mb, Phase::kBackward));
+  I.p2p->acquire_token(I.admit(mb, Phase::kBackward));
   if (!done)
     throw TimeoutError(str_cat("smp: timed out after ", I.timeout.count() / 1000.0,
                                " s waiting for every microbatch's forward ('simple' pipeline) "

@@ -34,6 +34,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "smp_core/p2p.h"
+#include "smp_core/plan.h"
 #include "smp_core/scheduler.h"
 
 namespace smp {
@@ -78,7 +79,10 @@ class Dispatcher {
   // generators outside the step as they were (the CPU generator advanced once on
   // every rank, by the step's seed); and the gradients of the parameters given to
   // order_gradients() accumulate in microbatch order (Note [Gradient order]).
-  void begin_step(int64_t microbatches, bool deterministic = false, bool rng_cuda = false);
+  // `planned`: the driver may execute a plan this step (Note [Executed plan]); pass
+  // false for a step that runs no backward (evaluation).
+  void begin_step(int64_t microbatches, bool deterministic = false, bool rng_cuda = false,
+                  bool planned = true);
 
   // Note [Gradient order]: the parameters this rank holds (leaves that require grad).
   // In a deterministic step a microbatch's gradient is added to a parameter's .grad
@@ -144,8 +148,20 @@ class Dispatcher {
     // microbatch (issue 21's target: at most 3).
     int64_t crossings = 0;
     int64_t microbatches = 0;
+    // Note [Executed plan]: steps begun with a plan (on a serving rank: the driver's),
+    // and those of them that left it (their calls differed from the recorded ones).
+    int64_t planned_steps = 0;
+    int64_t plan_fallbacks = 0;
   };
   Stats stats() const;
+
+  // Note [Executed plan]: this rank's planned actions of the current (or last) step in
+  // order and those it ran, in the order their tasks took the token ("F3", "B3", with
+  // ".h2" where the path visits the rank twice); both empty when the step had no plan.
+  // plan_text(): every rank's lists (Plan::format) with `failed` marked, or "".
+  std::vector<std::string> planned_actions() const;
+  std::vector<std::string> executed_actions() const;
+  std::string plan_text(const FailedCell* failed = nullptr) const;
 
  private:
   struct Impl;

@@ -61,6 +61,9 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 // what the wire carries (Note [Layout travels]).
 at::Tensor flat(const at::Tensor& dense) { return dense.as_strided({dense.numel()}, {1}); }
 
+// Note [Late messages after a peer left].
+constexpr std::chrono::milliseconds kFatalGrace{1000};
+
 }  // namespace
 
 struct P2PEngine::Impl {
@@ -83,6 +86,9 @@ struct P2PEngine::Impl {
   };
   std::vector<MailWaiter*> mail_waiters;
   std::string fatal;  // set when a receiver failed: every wait throws it
+  // When. Note [Late messages after a peer left]: a wait throws `fatal` only once
+  // kFatalGrace has passed with nothing for it arriving.
+  std::chrono::steady_clock::time_point fatal_since;
   bool stopping = false;
   int64_t epoch = 0;  // current step (Note [Step epochs])
 
@@ -101,6 +107,12 @@ struct P2PEngine::Impl {
   };
   std::vector<TokenWaiter*> token_waiters;
   uint64_t next_ticket = 0;
+  int64_t token_priority = -1;  // the holder's
+  std::chrono::steady_clock::time_point last_grant = std::chrono::steady_clock::now();
+  // Note [Planned token order].
+  bool ordered = false;
+  int64_t next_planned = 0;
+  std::vector<int64_t> grants;  // planned positions granted, in order
 
   Stats stats;
 
@@ -205,12 +217,17 @@ struct P2PEngine::Impl {
   // while this engine is shutting down itself).
   void fail(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu);
-    if (!stopping && fatal.empty()) fatal = why;
+    if (!stopping && fatal.empty()) {
+      fatal = why;
+      fatal_since = std::chrono::steady_clock::now();
+    }
     for (auto* w : mail_waiters) w->cv.notify_one();
+    unorder_locked();
   }
 
   // Appends `m` and wakes the waiters it matches. Holds mu.
   void deliver_locked(Message m) {
+    if (ends_order(m)) unorder_locked();  // Note [Planned token order]
     mailbox.push_back(std::move(m));
     const Message& back = mailbox.back();
     for (auto* w : mail_waiters)
@@ -221,6 +238,23 @@ struct P2PEngine::Impl {
   void wake_token_locked() {
     if (token_held || token_waiters.empty()) return;
     best_token_waiter()->cv.notify_one();
+  }
+
+  // A message after which this step's token order must be off (kept in the mailbox
+  // like them, so that order_token(true) after it arrived stays off too).
+  bool ends_order(const Message& m) const {
+    return m.epoch == epoch && (m.kind == kAbort || m.kind == kStepEnd || m.kind == kPlanOff);
+  }
+
+  void unorder_locked() {
+    if (!ordered) return;
+    ordered = false;
+    wake_token_locked();
+  }
+
+  // Note [Planned token order]: whether `w` may take the free token now.
+  bool may_take_locked(TokenWaiter* w) {
+    return !token_held && best_token_waiter() == w && (!ordered || w->priority <= next_planned);
   }
 
   TokenWaiter* best_token_waiter() {
@@ -234,7 +268,7 @@ struct P2PEngine::Impl {
 
   bool matches(const Message& m, int64_t mb, int64_t call_id, uint32_t mask) const {
     if (m.epoch != epoch || !(mask & (1u << m.kind))) return false;
-    bool step_level = m.kind == kStepEnd || m.kind == kAbort;
+    bool step_level = m.kind == kStepEnd || m.kind == kAbort || m.kind == kPlanOff;
     if (!step_level && mb != kAny && m.mb != mb) return false;
     return call_id == kAny || m.call_id == call_id;
   }
@@ -245,8 +279,34 @@ struct P2PEngine::Impl {
   void acquire_locked(std::unique_lock<std::mutex>& lock, int64_t priority, TaskContext* task) {
     TokenWaiter me{priority, next_ticket++, {}};
     token_waiters.push_back(&me);
-    me.cv.wait(lock, [&] { return !token_held && best_token_waiter() == &me; });
-    token_waiters.erase(std::find(token_waiters.begin(), token_waiters.end(), &me));
+    struct Unregister {
+      std::vector<TokenWaiter*>& waiters;
+      TokenWaiter* w;
+      ~Unregister() { waiters.erase(std::find(waiters.begin(), waiters.end(), w)); }
+    } unregister{token_waiters, &me};
+    const auto limit = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    while (!may_take_locked(&me)) {
+      // Under a plan a turn can be missed for good only if the step went wrong, and
+      // then nothing moves: no token hand-over for the timeout ends the wait (a wait
+      // by priority always ends: some task holds the token and gives it back).
+      if (!ordered) {
+        me.cv.wait(lock);
+        continue;
+      }
+      const auto since = last_grant;
+      if (me.cv.wait_until(lock, since + limit) == std::cv_status::timeout && ordered &&
+          !may_take_locked(&me) && last_grant == since)
+        throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for the "
+                                   "compute token for planned action #", priority, " on pp rank ",
+                                   rank, " (the plan's turn is at #", next_planned,
+                                   "; Note [Executed plan] in smp_core/dispatch.cpp)"));
+    }
+    last_grant = std::chrono::steady_clock::now();
+    if (ordered && priority == next_planned) {
+      ++next_planned;
+      grants.push_back(priority);
+    }
+    token_priority = priority;
     token_held = true;
     token_owner = std::this_thread::get_id();
     token_since = std::chrono::steady_clock::now();
@@ -266,6 +326,7 @@ struct P2PEngine::Impl {
       token_task->rng = task_rng::capture_like(token_task->rng);
     token_task = nullptr;
     token_held = false;
+    token_priority = -1;
     stats.token_held_s +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - token_since).count();
     wake_token_locked();
@@ -416,7 +477,7 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
   const ScheduleKind kind = order == RecvOrder::kBackwardFirst ? ScheduleKind::kInterleaved
                                                                 : ScheduleKind::kSimple;
   auto rank_of = [&](const Message& m) -> int64_t {
-    if (m.kind == kAbort || m.kind == kStepEnd) return -1;
+    if (m.kind == kAbort || m.kind == kStepEnd || m.kind == kPlan) return -1;
     const bool backward = m.kind == kBackwardRequest || m.kind == kBackwardResponse;
     return schedule_priority(kind, m.mb, backward ? Phase::kBackward : Phase::kForward);
   };
@@ -433,7 +494,8 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
   // mailbox until the next begin_step, so that every waiting task of the step sees
   // them, not only the first.
   auto take = [&](std::deque<Message>::iterator pos) {
-    if (pos->kind == kAbort || pos->kind == kStepEnd || pos->kind == kMicrobatchDone)
+    if (pos->kind == kAbort || pos->kind == kStepEnd || pos->kind == kMicrobatchDone ||
+        pos->kind == kPlanOff)
       return Message(*pos);
     Message m = std::move(*pos);
     I.mailbox.erase(pos);
@@ -459,8 +521,19 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
       ~Unregister() { I.mail_waiters.erase(std::find(I.mail_waiters.begin(), I.mail_waiters.end(), w)); }
     } unregister{I, &me};
     while ((it = find()) == I.mailbox.end()) {
-      if (!I.fatal.empty()) throw CommError(I.fatal + " while waiting for " + what);
-      if (me.cv.wait_until(lock, deadline) == std::cv_status::timeout && find() == I.mailbox.end())
+      // Note [Late messages after a peer left]: a peer that finished the job closes its
+      // engine as soon as it has what it needs (the step's end), and this rank may see
+      // that before its own copy of a message from another peer, on another socket. So
+      // a wait that another peer's loss would end gets a short grace for it.
+      auto until = deadline;
+      if (!I.fatal.empty()) {
+        const auto grace_end = I.fatal_since + kFatalGrace;
+        if (std::chrono::steady_clock::now() >= grace_end)
+          throw CommError(I.fatal + " while waiting for " + what);
+        until = std::min(deadline, grace_end);
+      }
+      if (me.cv.wait_until(lock, until) == std::cv_status::timeout && find() == I.mailbox.end() &&
+          until == deadline)
         throw TimeoutError(str_cat("smp: timed out after ", I.timeout_s, " s waiting for ", what,
                                    " (pp rank ", I.rank, ")"));
     }
@@ -470,6 +543,19 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
       I.acquire_locked(lock, priority, holder_task);
       I.token_owner = holder;  // back to whoever held it
     }
+    return m;
+  }
+  // Note [Planned token order]: the message was there already, but what the caller
+  // does next is a new planned action: it waits for its turn all the same.
+  if (yield_token && I.ordered && I.token_priority != priority &&
+      (I.holds_token_locked() || (for_holder && I.token_held))) {
+    Message m = take(it);
+    const std::thread::id holder = I.token_owner;
+    TaskContext* holder_task = I.token_task;
+    I.token_owner = std::this_thread::get_id();
+    I.release_locked();
+    I.acquire_locked(lock, priority, holder_task);
+    I.token_owner = holder;
     return m;
   }
   return take(it);
@@ -490,8 +576,42 @@ void P2PEngine::release_token() {
   impl_->release_locked();
 }
 
+void P2PEngine::order_token(bool on) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& I = *impl_;
+  if (!on) return I.unorder_locked();
+  for (const Message& m : I.mailbox)
+    if (I.ends_order(m)) return;  // the step already ended or left its plan
+  if (!I.fatal.empty()) return;
+  I.ordered = true;
+  I.next_planned = 0;
+  I.grants.clear();
+  I.last_grant = std::chrono::steady_clock::now();
+}
+
+bool P2PEngine::token_ordered() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->ordered;
+}
+
+int64_t P2PEngine::next_planned() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->ordered ? impl_->next_planned : -1;
+}
+
+std::vector<int64_t> P2PEngine::planned_grants() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->grants;
+}
+
+int64_t P2PEngine::token_priority() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->token_held ? impl_->token_priority : -1;
+}
+
 void P2PEngine::begin_step(int64_t epoch) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->unorder_locked();
   impl_->epoch = epoch;
   auto& box = impl_->mailbox;
   box.erase(std::remove_if(box.begin(), box.end(), [&](const Message& m) { return m.epoch < epoch; }),

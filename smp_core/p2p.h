@@ -44,6 +44,8 @@ enum MsgKind : int32_t {
   kMicrobatchDone = 6,    // a microbatch's backward work is over (Note [Gradient order]); sticky
   kStepEnd = 7,           // the driver finished the step: meta holds the outputs; sticky
   kAbort = 8,             // the step failed somewhere: meta holds the pickled error
+  kPlan = 9,              // the driver executes a plan this step: meta holds its path
+  kPlanOff = 10,          // the step left its plan: the token goes by priority again
 };
 
 // Matches any call id / any microbatch in recv().
@@ -109,7 +111,8 @@ class P2PEngine {
 
   // Blocks until a message with microbatch `mb` (kAny: any), call id `call_id`
   // (kAny: any) and a kind in `kind_mask` (bit 1 << kind) is in the mailbox, removes
-  // and returns it. Step-level kinds (kStepEnd, kAbort) match any `mb`; an abort is
+  // and returns it. Step-level kinds (kStepEnd, kAbort, kPlanOff) match any `mb` and
+  // stay (a kPlanOff too); an abort is
   // returned to every waiter, and so is the step's end (they stay until the next
   // begin_step()), and so is a microbatch's kMicrobatchDone. With `yield_token`, the caller's compute token (if this thread
   // holds it) is released while waiting and re-acquired with `priority` before
@@ -131,6 +134,25 @@ class P2PEngine {
   // nothing (a task whose yielding recv() failed does not hold it).
   void acquire_token(int64_t priority);
   void release_token();
+
+  // Note [Planned token order]: with the order on, priorities are positions in this
+  // rank's list of planned actions (Dispatcher, Note [Executed plan]) and the token
+  // goes only to a waiter whose position is at most the next planned one: the action
+  // next in the list waits for its turn even when a later one is ready, and granting
+  // the next one moves the turn on. A smaller position is an action already begun
+  // (a task taking the token back after a wait): it goes first. The order goes off
+  // with order_token(false), at begin_step(), when a peer's connection fails, and when
+  // a kAbort, kStepEnd or kPlanOff of the step arrives (before order_token(true) too:
+  // it then stays off): a failed or changed step never waits for an action that will
+  // not come.
+  void order_token(bool on);
+  bool token_ordered() const;
+  // The priority the token's holder took it with (-1: not held).
+  int64_t token_priority() const;
+  // The position whose turn it is (-1: the order is off).
+  int64_t next_planned() const;
+  // The planned positions granted since the order last went on, in grant order.
+  std::vector<int64_t> planned_grants() const;
 
   // The microbatch of the task holding the token (task.h), or -1 (none holds it, or a
   // thread with no task does).

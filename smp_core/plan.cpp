@@ -235,6 +235,19 @@ Plan Plan::compile(PlanOptions options) {
   const bool bounded = options.kind == PlanKind::k1F1B || options.kind == PlanKind::kZeroBubble;
   std::vector<int64_t> held(hops, 0);  // per hop: forward begun, backward not done
   Done done(m, hops);
+  // options.gradient_order: per rank and microbatch, backward actions not yet started
+  // and when the last started one finishes (kNever until all started).
+  std::vector<std::vector<int64_t>> backward_left(ranks, std::vector<int64_t>(m, 0));
+  std::vector<std::vector<int64_t>> backward_over(ranks, std::vector<int64_t>(m, kNever));
+  for (int64_t r = 0; r < ranks; ++r)
+    for (const Action& a : pending[r])
+      if (a.op != Op::kForward) ++backward_left[r][a.mb];
+  auto waits_for_previous = [&](int64_t r, const Action& a, int64_t now) {
+    if (!options.gradient_order || a.mb == 0) return false;
+    const bool fused = options.fused_last && a.op == Op::kForward && a.hop == hops - 1;
+    if (a.op == Op::kForward && !fused) return false;
+    return backward_over[r][a.mb - 1] > now;
+  };
   std::vector<int64_t> busy_until(ranks, 0);
   std::vector<std::pair<int64_t, Action>> running;  // (finish, action)
   int64_t started = 0, left = 0, t = 0;
@@ -250,6 +263,7 @@ Plan Plan::compile(PlanOptions options) {
       auto best = pending[r].end();
       for (auto it = pending[r].begin(); it != pending[r].end(); ++it) {
         if (ready_at(*it, done, hops, simple) > t) continue;
+        if (waits_for_previous(r, *it, t)) continue;
         if (it->op == Op::kForward && it->hop == 0 &&
             (it->mb != started || started - back >= window))
           continue;
@@ -266,6 +280,7 @@ Plan Plan::compile(PlanOptions options) {
       if (is_backward_input(a.op)) --held[a.hop];  // its activations are free once I runs
       plan.compute_[r].push_back(a);
       busy_until[r] = t + cost_of(a, options.costs);
+      if (a.op != Op::kForward && --backward_left[r][a.mb] == 0) backward_over[r][a.mb] = busy_until[r];
       running.emplace_back(busy_until[r], a);
       started_any = true;
     }

@@ -85,6 +85,14 @@ struct PlanOptions {
   int64_t active_microbatches = 3;  // interleaved's window
   std::vector<int64_t> path;        // empty: 0, 1, ..., stages-1
   PlanCosts costs;
+  // The runtime's constraints (Note [Executed plan] in smp_core/dispatch.cpp), for a
+  // plan it executes. `gradient_order`: a rank starts a microbatch's backward work only
+  // once the previous microbatch's is over there (Note [Gradient order]: its gradients
+  // wait for it anyway). `fused_last`: on the last hop's rank a microbatch's forward is
+  // followed by its backward without a pause (loss.backward() in the step body), so
+  // the forward waits as that backward would.
+  bool gradient_order = false;
+  bool fused_last = false;
 };
 
 class Plan {

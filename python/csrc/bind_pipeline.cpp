@@ -202,7 +202,9 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("ordered_waits", &Dispatcher::Stats::ordered_waits)
       .def_readonly("unplanned_steps", &Dispatcher::Stats::unplanned_steps)
       .def_readonly("crossings", &Dispatcher::Stats::crossings)
-      .def_readonly("microbatches", &Dispatcher::Stats::microbatches);
+      .def_readonly("microbatches", &Dispatcher::Stats::microbatches)
+      .def_readonly("planned_steps", &Dispatcher::Stats::planned_steps)
+      .def_readonly("plan_fallbacks", &Dispatcher::Stats::plan_fallbacks);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
                        py::function handler, py::function spawn, py::object encode_error,
@@ -249,7 +251,8 @@ void bind_pipeline(py::module_& m) {
            py::arg("p2p"), py::arg("schedule"), py::arg("handler"), py::arg("spawn"),
            py::arg("encode_error") = py::none(), py::arg("raise_error") = py::none())
       .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"),
-           py::arg("deterministic") = false, py::arg("rng_cuda") = false, release())
+           py::arg("deterministic") = false, py::arg("rng_cuda") = false,
+           py::arg("planned") = true, release())
       .def("order_gradients", &Dispatcher::order_gradients, py::arg("params"))
       .def("drive", [](Dispatcher& d, py::function run) {
              auto fn = share(std::move(run));
@@ -263,7 +266,16 @@ void bind_pipeline(py::module_& m) {
            py::arg("backward"), py::arg("what"), py::arg("for_holder") = false, release())
       .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())
       .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release())
-      .def("stats", &Dispatcher::stats);
+      .def("stats", &Dispatcher::stats)
+      // Note [Executed plan] (smp_core/dispatch.cpp).
+      .def("planned_actions", &Dispatcher::planned_actions)
+      .def("executed_actions", &Dispatcher::executed_actions)
+      .def("plan_text", [](const Dispatcher& d, std::optional<std::tuple<int64_t, int64_t, bool>> cell) {
+             if (!cell) return d.plan_text();
+             FailedCell c{std::get<0>(*cell), std::get<1>(*cell),
+                          std::get<2>(*cell) ? Phase::kBackward : Phase::kForward};
+             return d.plan_text(&c);
+           }, py::arg("cell") = py::none());
   // Note [Remote call node] (smp_core/remote_call.h).
   m.def("connect_remote_call",
         [](const std::shared_ptr<Dispatcher>& d, int owner, int64_t mb, int64_t call_id,

@@ -120,6 +120,9 @@ class Engine:
         cell = getattr(exc, "_smp_cell", None)
         try:
             table = self.schedule.grid([], tuple(cell) if cell else None)
+            # The plan the step executed, its failing action marked (Note [Executed plan]).
+            if self.dispatch.stats().planned_steps:
+                table += "executed " + self.dispatch.plan_text(tuple(cell) if cell else None)
         except Exception as e:  # the table must never hide the error itself
             table = f"(no schedule table: {e})\n"
         where = (f"pp rank {cell[0]}, microbatch {cell[1]}, "
@@ -251,8 +254,11 @@ class Engine:
         # smp_core/task_rng.h), and gradients sum in microbatch order (Note [Gradient
         # order] in smp_core/dispatch.h): the same job twice gives the same numbers.
         cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
+        # A step that trains executes the plan of the calls the last one made (Note
+        # [Executed plan] in smp_core/dispatch.cpp); evaluation runs in the dynamic order.
         self.dispatch.begin_step(len(mb_inputs) if core.pp_rank() == 0 else self.cfg.microbatches,
-                                 deterministic=True, rng_cuda=cuda_rng)
+                                 deterministic=True, rng_cuda=cuda_rng,
+                                 planned=torch.is_grad_enabled())
         if core.pp_rank() == 0:
             return self._drive(fn, mb_inputs)
         return self._serve_step()

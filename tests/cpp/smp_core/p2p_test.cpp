@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <mutex>
 #include <thread>
 
 #include "../common/gloo_world.h"
@@ -222,6 +223,74 @@ TEST(P2P, TokenGoesToLowestPriorityValue) {
     eng.release_token();
     for (auto& t : ts) t.join();
     EXPECT_EQ(order, (std::vector<int>{1, 3, 5}));
+  });
+}
+
+// Note [Planned token order]: the token goes to planned positions in list order, even
+// when a later one asks first and the earlier one only later; a position already begun
+// (smaller than the turn) goes first.
+TEST(P2P, PlannedOrderGrantsPositionsInListOrder) {
+  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 1, 10);
+    eng.order_token(true);
+    std::vector<int> order;
+    std::mutex mu;
+    std::vector<std::thread> ts;
+    for (int p : {2, 1}) {  // both ask before position 0 is taken: neither may go first
+      ts.emplace_back([&, p] {
+        eng.acquire_token(p);
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          order.push_back(p);
+        }
+        eng.release_token();
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_TRUE(order.empty());  // the free token waits for position 0
+    }
+    eng.acquire_token(0);
+    EXPECT_EQ(eng.next_planned(), 1);
+    eng.release_token();
+    for (auto& t : ts) t.join();
+    EXPECT_EQ(order, (std::vector<int>{1, 2}));
+    EXPECT_EQ(eng.planned_grants(), (std::vector<int64_t>{0, 1, 2}));
+    eng.acquire_token(1);  // an action already begun takes the token back at once
+    eng.release_token();
+  });
+}
+
+// A kPlanOff (or the step's end, an abort) turns the order off: a waiter whose turn
+// will not come gets the token; and without one, the wait ends with a named timeout.
+TEST(P2P, PlannedOrderEndsOnPlanOffAndTimesOutWhenStuck) {
+  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    P2PEngine eng(store, "p2p", r, 1, 1);
+    eng.order_token(true);
+    std::atomic<bool> got{false};
+    std::thread t([&] {
+      eng.acquire_token(5);
+      got = true;
+      eng.release_token();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_FALSE(got.load());
+    eng.send(0, make(-1, 0, kPlanOff, ""));
+    t.join();
+    EXPECT_TRUE(got.load());
+    EXPECT_FALSE(eng.token_ordered());
+    eng.order_token(true);  // the kPlanOff of this step stays: the order stays off
+    EXPECT_FALSE(eng.token_ordered());
+    eng.begin_step(1);
+    eng.order_token(true);
+    EXPECT_TRUE(eng.token_ordered());
+    try {
+      eng.acquire_token(3);
+      FAIL() << "a turn that never comes must time out";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("planned action #3"), std::string::npos) << e.what();
+    }
   });
 }
 

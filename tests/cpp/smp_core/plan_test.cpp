@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -51,6 +52,37 @@ TEST(Plan, KindNames) {
                  "smp: config 'pipeline'='gpipe' is not one of {interleaved, simple, 1f1b, "
                  "zero_bubble}");
   }
+}
+
+// The runtime's constraints (PlanOptions::gradient_order, fused_last; Note [Executed
+// plan]): on every rank a microbatch's backward work starts only after the previous
+// microbatch's is over, and on the last hop's rank so does its fused forward.
+TEST(Plan, GradientOrderKeepsEachRanksBackwardInMicrobatchOrder) {
+  for (PlanKind kind : {PlanKind::kSimple, PlanKind::kInterleaved, PlanKind::k1F1B})
+    for (const auto& path : std::vector<std::vector<int64_t>>{{0, 1, 0}, {0, 1, 0, 1, 0, 1, 0},
+                                                              {0, 1, 2, 3, 2, 1, 0}})
+      for (int64_t mb : {1, 2, 4, 7}) {
+        const int64_t stages = *std::max_element(path.begin(), path.end()) + 1;
+        PlanOptions o = opts(kind, mb, stages, path);
+        o.gradient_order = true;
+        o.fused_last = kind != PlanKind::kSimple;
+        const Plan plan = Plan::compile(o);
+        EXPECT_NO_THROW(plan.validate());
+        const int64_t last = static_cast<int64_t>(path.size()) - 1;
+        for (int64_t r = 0; r < stages; ++r) {
+          std::map<int64_t, int64_t> left;  // mb -> backward actions not yet seen
+          for (const Action& a : plan.compute()[r])
+            if (a.op != Op::kForward) left[a.mb]++;
+          for (const Action& a : plan.compute()[r]) {
+            const bool waits = a.op != Op::kForward || (o.fused_last && a.hop == last);
+            if (waits && a.mb > 0)
+              EXPECT_EQ(left[a.mb - 1], 0)
+                  << plan_kind_name(kind) << " mb " << mb << " rank " << r << ": " << a.str(true)
+                  << " before microbatch " << a.mb - 1 << "'s backward is over\n" << plan.format();
+            if (a.op != Op::kForward) left[a.mb]--;
+          }
+        }
+      }
 }
 
 TEST(Plan, BadOptionsNameTheSetting) {

@@ -1,0 +1,184 @@
+"""The runtime executes the step's plan as written (Note [Executed plan] in
+smp_core/dispatch.cpp): from the second training step on, every pp rank's compute token
+goes to its planned actions in the plan's order; a step whose calls differ from the
+recorded ones leaves the plan, is counted, and still trains as one process does.
+
+Each job trains three steps with smp and, in the same process, a plain copy of the
+model on the whole batch; parameters are compared at the end.
+"""
+import json
+import re
+
+import pytest
+
+COMMON = r"""
+import copy, json, sys
+import torch, torch.nn as nn
+import smp
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+class Chain(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+class Loop(nn.Module):
+    # How often pp rank 1's block runs depends on the microbatch's data.
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        with smp.partition(1):
+            self.mid = Block(d)
+        self.head = nn.Linear(d, 3)
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(2 if x[0, 0] > 0 else 1):
+            h = self.mid(h)
+        return self.head(h)
+
+def train(net, batches):
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05))
+    @smp.step
+    def step(x, y):
+        loss = nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+    per, dp = batches[0][0].shape[0] // smp.dp_size(), smp.dp_size()
+    lo, hi = smp.dp_rank() * per, (smp.dp_rank() + 1) * per
+    for x, y in batches:
+        step(x[lo:hi], y[lo:hi])
+        opt.step(); opt.zero_grad()
+        # One process, the same microbatches summed: the reference.
+        mbs = smp.num_microbatches()
+        loss = sum(nn.functional.mse_loss(ref(xm), ym)
+                   for r in range(dp)
+                   for xm, ym in zip(x[r * per:(r + 1) * per].chunk(mbs),
+                                     y[r * per:(r + 1) * per].chunk(mbs))) / (mbs * dp)
+        loss.backward()
+        ref_opt.step(); ref_opt.zero_grad()
+    full = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    return model
+"""
+
+EXECUTE = COMMON + r"""
+smp.init(dict(json.loads(sys.argv[1]), timeout_s=30))
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(3)
+batches = [(torch.randn(8 * smp.dp_size(), 8, generator=g), torch.randn(8 * smp.dp_size(), 3, generator=g))
+           for _ in range(3)]
+model = train(Chain(), batches)
+d = model._engine.dispatch
+st = d.stats()
+print("PLAN " + json.dumps({"rank": smp.rank(), "planned": d.planned_actions(),
+                            "executed": d.executed_actions(), "planned_steps": st.planned_steps,
+                            "fallbacks": st.plan_fallbacks}))
+"""
+
+
+def _reports(results):
+    return [json.loads(r.stdout.split("PLAN ", 1)[1].splitlines()[0]) for r in results]
+
+
+@pytest.mark.parametrize("world,cfg", [
+    (2, {"partitions": 2, "microbatches": 4, "pipeline": "interleaved"}),
+    (2, {"partitions": 2, "microbatches": 4, "pipeline": "simple"}),
+    (2, {"partitions": 2, "microbatches": 4, "pipeline": "1f1b"}),
+    (4, {"partitions": 4, "microbatches": 8, "pipeline": "1f1b"}),
+    (4, {"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "ddp": True}),
+], ids=["pp2-interleaved", "pp2-simple", "pp2-1f1b", "pp4-1f1b", "pp2xdp2-interleaved"])
+def test_runtime_executes_the_plan_as_written(ranks, world, cfg):
+    reports = _reports(ranks(EXECUTE, world, args=(json.dumps(cfg),), timeout=240))
+    for rep in reports:
+        # Steps 2 and 3 ran the plan of step 1's calls, action for action, on every rank.
+        assert rep["planned_steps"] == 2 and rep["fallbacks"] == 0, rep
+        assert rep["planned"] and rep["executed"] == rep["planned"], rep
+
+
+FALLBACK = COMMON + r"""
+smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0,
+          "timeout_s": 20})
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(5)
+batches = []
+for signs in [(1, 1), (1, -1), (1, 1)]:  # step 2's second microbatch calls pp rank 1 once
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+    for mb, s in enumerate(signs):
+        x[4 * mb, 0] = s * (1 + x[4 * mb, 0].abs())
+    batches.append((x, y))
+model = train(Loop(), batches)
+st = model._engine.dispatch.stats()
+print("PLAN " + json.dumps({"rank": smp.rank(), "planned_steps": st.planned_steps,
+                            "fallbacks": st.plan_fallbacks, "planned": [], "executed": []}))
+"""
+
+
+def test_data_dependent_step_leaves_the_plan_and_matches_one_process(ranks):
+    for rep in _reports(ranks(FALLBACK, 2, timeout=180)):
+        # Step 2 began with step 1's plan and left it; step 3 had no uniform path to
+        # plan (step 2's microbatches differed), so it ran in the dynamic order.
+        assert rep["planned_steps"] == 1 and rep["fallbacks"] == 1, rep
+
+
+FAILS = COMMON + r"""
+class Late(nn.Linear):
+    calls = 0
+    def forward(self, x):
+        if not smp.is_tracing():
+            Late.calls += 1
+            if Late.calls == 6:  # step 3, microbatch 1 (two calls a step)
+                raise ValueError("kaboom in step 3")
+        return super().forward(x)
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        with smp.partition(1):
+            self.b = Late(8, 8)
+        self.c = nn.Linear(8, 3)
+    def forward(self, x):
+        return self.c(torch.relu(self.b(self.a(x))))
+
+smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0,
+          "timeout_s": 60})
+model = smp.DistributedModel(Two())
+@smp.step
+def step(x):
+    out = model(x)
+    model.backward(out.sum())
+    return out
+for i in range(3):
+    try:
+        step(torch.randn(4, 8))
+    except ValueError as e:
+        print("raised in step", i + 1, e)
+        sys.exit(3)
+"""
+
+
+def test_failure_in_a_planned_step_marks_the_failing_action(ranks):
+    for r in ranks(FAILS, 2, check=False, timeout=120):
+        assert r.returncode == 3 and "raised in step 3 kaboom in step 3" in r.stdout, r
+        # Every rank logs the plan the step executed, the failing action marked.
+        assert "executed plan interleaved, 2 microbatches, 2 pp ranks" in r.stderr, r
+        assert re.search(r"pp 1 \|.* \[F1(\.h1)?\]", r.stderr), r
+        assert re.search(r"failed: pp rank 1, F1\.h1", r.stderr), r

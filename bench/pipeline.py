@@ -160,6 +160,9 @@ def run_pipeline(steps, overlap=True):
     c1 = model._engine.compute_s
     # Python<->C++ crossings through the dispatcher per microbatch (issue 21: <= 3).
     crossings = round((d1.crossings - d0.crossings) / max(d1.microbatches - d0.microbatches, 1), 2)
+    # Timed steps that executed the plan as written, and that left it (Note [Executed
+    # plan] in smp_core/dispatch.cpp).
+    planned = [d1.planned_steps - d0.planned_steps, d1.plan_fallbacks - d0.plan_fallbacks]
     # The pp x dp runs report ms only; with ddp a backward outside @smp.step is refused.
     work = reference_work_ms(net, model, steps) if smp.dp_size() == 1 else None
     # Per request served on a stage rank (the driver runs the step body, not requests):
@@ -181,6 +184,7 @@ def run_pipeline(steps, overlap=True):
     dispatches = smp.allgather(dispatch)
     works = smp.allgather(work)
     crossings = smp.allgather(crossings)
+    planned = smp.allgather(planned)
     plan = model.partition_plan()
     split = [plan[str(i)]["partition"] for i in range(len(net))]
     if smp.rank() == 0:
@@ -189,6 +193,7 @@ def run_pipeline(steps, overlap=True):
                                       "param_mb": params, "request_overhead_ms": overheads,
                                       "request_dispatch_ms": dispatches,
                                       "crossings_per_microbatch": crossings,
+                                      "planned_steps_and_fallbacks": planned,
                                       "work_ms": works}))
 
 
@@ -382,6 +387,7 @@ def main():
             out["request_overhead_ms"] = [v for p in pipes for v in p["request_overhead_ms"]
                                           if v is not None]
             out["crossings_per_microbatch"] = pipes[0]["crossings_per_microbatch"]
+            out["planned_steps_and_fallbacks"] = pipes[0]["planned_steps_and_fallbacks"]
     simple = pipelined(args.steps, "simple")
     out["peak_act_mb_simple"] = [round(v, 1) for v in simple["peak_act_mb"]]
     # Each schedule smp runs, one run each (the interleaved figure is the rounds' median

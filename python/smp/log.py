@@ -130,3 +130,16 @@ def log_partition(module_table, owner, partitions, table_fn, rank):
                 "" if debug else "; SMP_LOG_LEVEL=DEBUG for the table")
     if debug:
         logger.debug("smp: partition plan\n%s", table_fn())
+
+
+def log_plan(text, rank):
+    """Logs the pipeline plan a step executed (Note [Executed plan] in
+    smp_core/dispatch.cpp): its first line at INFO, every rank's actions at DEBUG."""
+    logger = get_logger("pipeline")
+    if not logger.isEnabledFor(logging.INFO) or not text:
+        return
+    debug = logger.isEnabledFor(logging.DEBUG)
+    logger.info("smp: executing the pipeline %s (rank %d%s)", text.split("\n", 1)[0], rank,
+                "" if debug else "; SMP_LOG_LEVEL=DEBUG for every rank's actions")
+    if debug:
+        logger.debug("smp: pipeline plan\n%s", text.rstrip("\n"))

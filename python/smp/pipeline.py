@@ -90,6 +90,8 @@ class Engine:
         self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self._handle,
                                       self.workers.spawn, _encode_error, self._raise_answer)
         self._forwards_first = self.schedule.forwards_before_backwards()
+        self._planned_steps = 0   # the driver's, at its last step (_log_new_plan)
+        self._plan_logged = None
 
     def _set_payload_transport(self, pp_ranks):
         """Note [Payload transports] in smp_core/p2p.h: with config 'p2p_transport'
@@ -259,9 +261,22 @@ class Engine:
         self.dispatch.begin_step(len(mb_inputs) if core.pp_rank() == 0 else self.cfg.microbatches,
                                  deterministic=True, rng_cuda=cuda_rng,
                                  planned=torch.is_grad_enabled())
-        if core.pp_rank() == 0:
-            return self._drive(fn, mb_inputs)
-        return self._serve_step()
+        if core.pp_rank() != 0:
+            return self._serve_step()
+        out = self._drive(fn, mb_inputs)
+        self._log_new_plan()
+        return out
+
+    def _log_new_plan(self):
+        """The driver says once which plan its steps execute, and again when it changes."""
+        planned = self.dispatch.stats().planned_steps
+        if planned == self._planned_steps:
+            return
+        self._planned_steps = planned
+        text = self.dispatch.plan_text()
+        if text != self._plan_logged:
+            self._plan_logged = text
+            log.log_plan(text, core.rank())
 
     def abort_step(self, exc):
         """On the driver: this step cannot start (a bad input). Every pp rank, serving

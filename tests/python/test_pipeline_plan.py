@@ -106,7 +106,12 @@ def _reports(results):
     (4, {"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "ddp": True}),
 ], ids=["pp2-interleaved", "pp2-simple", "pp2-1f1b", "pp4-1f1b", "pp2xdp2-interleaved"])
 def test_runtime_executes_the_plan_as_written(ranks, world, cfg):
-    reports = _reports(ranks(EXECUTE, world, args=(json.dumps(cfg),), timeout=240))
+    results = ranks(EXECUTE, world, args=(json.dumps(cfg),), timeout=240)
+    # The driver says which plan its steps execute, once.
+    said = re.findall(r"smp: executing the pipeline plan (\S+), (\d+) microbatches",
+                      results[0].stderr)
+    assert said == [(cfg["pipeline"], str(cfg["microbatches"]))], results[0].stderr
+    reports = _reports(results)
     for rep in reports:
         # Steps 2 and 3 ran the plan of step 1's calls, action for action, on every rank.
         assert rep["planned_steps"] == 2 and rep["fallbacks"] == 0, rep

@@ -254,8 +254,9 @@ def single(steps, microbatches=1, malloc=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def pipelined(steps, schedule, malloc=None, dp=1, overlap=True):
-    cfg = {"partitions": S, "microbatches": M, "pipeline": schedule, "ddp": dp > 1}
+def pipelined(steps, schedule, malloc=None, dp=1, overlap=True, order="dynamic"):
+    cfg = {"partitions": S, "microbatches": M, "pipeline": schedule, "ddp": dp > 1,
+           "pipeline_order": order}
     cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", str(S * dp), "--config",
            json.dumps(cfg), __file__, "--role", "pp", "--steps", str(steps)]
     if not overlap:
@@ -396,6 +397,11 @@ def main():
     one_f_one_b = pipelined(args.steps, "1f1b")
     out["smp_schedule_ms"] = {"interleaved": out["smp_ms"], "simple": round(simple["ms"], 1),
                               "1f1b": round(one_f_one_b["ms"], 1)}
+    # The same schedules executed as planned (config 'pipeline_order' "planned": the
+    # compiled plan's order, action for action, with unit costs; docs/pipeline.md).
+    out["smp_planned_schedule_ms"] = {
+        kind: round(pipelined(args.steps, kind, order="planned")["ms"], 1)
+        for kind in ("interleaved", "simple", "1f1b")}
     sys.path.insert(0, os.path.join(BUILD, "python"))
     from smp import _C
     out["plan_bubble_fraction"] = {

@@ -133,7 +133,7 @@ uint64_t fnv1a(const std::string& s) {
 
 std::vector<std::string> config_keys() {
   std::vector<std::string> keys = {
-      "partitions",     "pipeline_parallel_degree", "microbatches", "pipeline",
+      "partitions",     "pipeline_parallel_degree", "microbatches", "pipeline", "pipeline_order",
       "ddp",            "placement_strategy",       "optimize",     "auto_partition",
       "default_partition", "memory_weight",         "active_microbatches", "contiguous",
       "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing",
@@ -187,6 +187,7 @@ Config Config::from_json(const std::string& text, int rank) {
            "executable yet: smp plans it (smp._C.Plan) but does not split a backward into "
            "input- and weight-gradient actions; use one of {interleaved, simple, 1f1b}");
   c.pipeline = p.get_choice("pipeline", "interleaved", {"interleaved", "simple", "1f1b"});
+  c.pipeline_order = p.get_choice("pipeline_order", "dynamic", {"dynamic", "planned"});
   c.ddp = p.get_bool("ddp", false);
   c.placement_strategy = p.get_choice("placement_strategy", "cluster", placement_choices());
   c.optimize = p.get_choice("optimize", "speed", {"speed", "memory"});
@@ -223,6 +224,7 @@ std::string Config::to_json() const {
   json j = {{"partitions", partitions},
             {"microbatches", microbatches},
             {"pipeline", pipeline},
+            {"pipeline_order", pipeline_order},
             {"ddp", ddp},
             {"placement_strategy", placement_strategy},
             {"optimize", optimize},

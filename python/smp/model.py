@@ -300,7 +300,7 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         if self._engine is not None:
             self._engine.forward_finished(core.state.microbatch_of_task())
             self._engine.wait_all_forwards()
-            self._backward_this_step = True
+            self._engine.backward_begins()
             self.begin_pipeline_backward()
         elif self._dp_reduce:
             if self._reducer is None:

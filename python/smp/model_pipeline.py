@@ -65,7 +65,7 @@ class PipelineMixin:
         if core.rank() == 0:  # the same plan on every rank (hash checked): said once
             log.log_partition(self._module_table, self._owner, core.pp_size(),
                               lambda: plan.table(nodes), core.rank())
-        engine = pipeline.Engine(self)
+        engine = pipeline.Engine(self.begin_pipeline_backward)
         self._tied = placement.apply(self._module_table, self._owner, engine, core.pp_rank())
         self._tied.sync_values()
         engine.order_gradients(self.module.parameters())
@@ -73,7 +73,6 @@ class PipelineMixin:
 
     def _run_pipeline_step(self, fn, mb_inputs, sync_step, joining=None):
         self._in_step = True
-        self._backward_this_step = False
         # Note [Pipeline overlap] (smp_core/detail/reducer_pipeline.cpp): the reducer is
         # armed when this rank's first backward work of a synchronized step begins, so
         # each bucket launches once its gradients are final, during the rest of the backward.

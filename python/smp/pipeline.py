@@ -62,8 +62,12 @@ class Engine:
     task_context = None
     _created = 0
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, on_backward):
+        # Called on this rank before each served backward (any thread): the model arms
+        # its dp reducer there (Note [Pipeline overlap]). The engine knows nothing else
+        # of the model.
+        self._on_backward = on_backward
+        self._backward_ran = False  # the driver: some microbatch's backward ran this step
         self.cfg = core.state.cfg
         Engine._created += 1  # every rank creates its engines in the same order
         pp_ranks = core.state.topology.pp_group(core.rank())
@@ -90,6 +94,7 @@ class Engine:
         self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self._handle,
                                       self.workers.spawn, _encode_error, self._raise_answer)
         self._forwards_first = self.schedule.forwards_before_backwards()
+        self._planned = self.cfg.pipeline_order == "planned"
         self._planned_steps = 0   # the driver's, at its last step (_log_new_plan)
         self._plan_logged = None
 
@@ -225,7 +230,7 @@ class Engine:
                                   [t.detach() for t in outs])
         present = msg.meta  # a flag byte per output (smp_core/remote_call.h)
         inputs, outs = self.records.pop(key)
-        self.model.begin_pipeline_backward()
+        self._on_backward()
         grads = iter(msg.tensors)
         pairs = [(o, next(grads)) for o, p in zip(outs, present) if p]
         with timeline.span("bwd", mb=msg.mb):
@@ -248,6 +253,7 @@ class Engine:
         every pp rank (the driver sends both with STEP_END)."""
         self.counters.clear()
         self.own_errors = []
+        self._backward_ran = False
         self.epoch += 1
         self.p2p.begin_step(self.epoch)  # Note [Step epochs] in smp_core/p2p.h
         timeline.begin_step()  # SMP_TIMELINE_STEPS counts the pipelined steps
@@ -256,11 +262,12 @@ class Engine:
         # smp_core/task_rng.h), and gradients sum in microbatch order (Note [Gradient
         # order] in smp_core/dispatch.h): the same job twice gives the same numbers.
         cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
-        # A step that trains executes the plan of the calls the last one made (Note
-        # [Executed plan] in smp_core/dispatch.cpp); evaluation runs in the dynamic order.
+        # With config 'pipeline_order' "planned", a step that trains executes the plan
+        # of the calls the last one made (Note [Executed plan] in smp_core/dispatch.cpp);
+        # evaluation runs in the dynamic order.
         self.dispatch.begin_step(len(mb_inputs) if core.pp_rank() == 0 else self.cfg.microbatches,
                                  deterministic=True, rng_cuda=cuda_rng,
-                                 planned=torch.is_grad_enabled())
+                                 planned=self._planned and torch.is_grad_enabled())
         if core.pp_rank() != 0:
             return self._serve_step()
         out = self._drive(fn, mb_inputs)
@@ -318,7 +325,7 @@ class Engine:
         if errors:
             self.log_failure(errors[0])
             raise errors[0]
-        out = (results, self.model._backward_this_step)
+        out = (results, self._backward_ran)
         self._send_to_pp_ranks(K.STEP_END, pickle.dumps(out))
         return out
 
@@ -361,6 +368,10 @@ class Engine:
     def wait_all_forwards(self):
         if self._forwards_first:
             self.dispatch.wait_all_forwards(_task.mb)
+
+    def backward_begins(self):
+        """The driver: a microbatch's step body calls model.backward (any task thread)."""
+        self._backward_ran = True
 
     def shutdown(self):
         self.workers.stop()

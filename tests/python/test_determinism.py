@@ -84,9 +84,12 @@ def test_schedule_and_partitioning_do_not_change_the_numbers(ranks):
     simple = _result(ranks, 2, {"partitions": 2, "pipeline": "simple"})
     one_f_one_b = _result(ranks, 2, {"partitions": 2, "pipeline": "1f1b"})
     pp4 = _result(ranks, 4, {"partitions": 4})
+    # Executing the plan as written (Note [Executed plan]) changes the order, not the sums.
+    planned = _result(ranks, 2, {"partitions": 2, "pipeline": "1f1b", "pipeline_order": "planned"})
     assert simple == interleaved
     assert one_f_one_b == interleaved
     assert pp4 == interleaved
+    assert planned == interleaved
 
 
 LAYOUT = r"""

@@ -1,5 +1,6 @@
-"""The runtime executes the step's plan as written (Note [Executed plan] in
-smp_core/dispatch.cpp): from the second training step on, every pp rank's compute token
+"""With config 'pipeline_order' "planned" the runtime executes the step's plan as written
+(Note [Executed plan] in smp_core/dispatch.cpp): from the second training step on, every
+pp rank's compute token
 goes to its planned actions in the plan's order; a step whose calls differ from the
 recorded ones leaves the plan, is counted, and still trains as one process does.
 
@@ -80,7 +81,7 @@ def train(net, batches):
 """
 
 EXECUTE = COMMON + r"""
-smp.init(dict(json.loads(sys.argv[1]), timeout_s=30))
+smp.init(dict(json.loads(sys.argv[1]), timeout_s=30, pipeline_order="planned"))
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(3)
 batches = [(torch.randn(8 * smp.dp_size(), 8, generator=g), torch.randn(8 * smp.dp_size(), 3, generator=g))
@@ -120,7 +121,7 @@ def test_runtime_executes_the_plan_as_written(ranks, world, cfg):
 
 FALLBACK = COMMON + r"""
 smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0,
-          "timeout_s": 20})
+          "timeout_s": 20, "pipeline_order": "planned"})
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(5)
 batches = []
@@ -164,7 +165,7 @@ class Two(nn.Module):
         return self.c(torch.relu(self.b(self.a(x))))
 
 smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0,
-          "timeout_s": 60})
+          "timeout_s": 60, "pipeline_order": "planned"})
 model = smp.DistributedModel(Two())
 @smp.step
 def step(x):
@@ -178,6 +179,16 @@ for i in range(3):
         print("raised in step", i + 1, e)
         sys.exit(3)
 """
+
+
+DYNAMIC = EXECUTE.replace(', pipeline_order="planned"', "")
+
+
+def test_dynamic_order_executes_no_plan(ranks):
+    # The default ("dynamic"): the order adapts to the step's timing; no plan is run.
+    cfg = {"partitions": 2, "microbatches": 4}
+    for rep in _reports(ranks(DYNAMIC, 2, args=(json.dumps(cfg),), timeout=120)):
+        assert rep["planned_steps"] == 0 and rep["executed"] == [], rep
 
 
 def test_failure_in_a_planned_step_marks_the_failing_action(ranks):

@@ -72,6 +72,9 @@ TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_EQ(error_of(R"({"pipeline": "gpipe"})", 3),
             "smp: config 'pipeline'='gpipe' is not one of {interleaved, simple, 1f1b} (rank 3)");
   EXPECT_EQ(Config::from_json(R"({"pipeline": "1f1b"})").pipeline, "1f1b");
+  EXPECT_EQ(error_of(R"({"pipeline_order": "static"})"),
+            "smp: config 'pipeline_order'='static' is not one of {dynamic, planned}");
+  EXPECT_EQ(Config::from_json(R"({"pipeline_order": "planned"})").pipeline_order, "planned");
   EXPECT_EQ(error_of(R"({"pipeline": "zero_bubble"})"),
             "smp: config 'pipeline'='zero_bubble' is not executable yet: smp plans it "
             "(smp._C.Plan) but does not split a backward into input- and weight-gradient "

@@ -25,7 +25,7 @@ endif
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 VENV_STAMP := $(VENV)/.smp-requirements
 
-.PHONY: all deps deb-deps build test test-cpp test-python test-oldest demo bench install clean
+.PHONY: all deps deb-deps build test test-cpp test-python test-oldest demo bench fuzz install clean
 
 all: build
 
@@ -82,6 +82,26 @@ demo: build
 bench: build
 	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python $(PYTHON) bench/run_all.py
 
+# libFuzzer targets for the decoders of outside bytes (docs/fuzzing.md): a clang build of
+# their own in build-fuzz, then each runs FUZZ_SECONDS on a copy of its corpus; a crash
+# leaves its input in build-fuzz/crashes/ and fails the target. `make test` replays the
+# checked-in corpus and crashes in the normal build (tests/cpp/fuzz).
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := config control_line wire checkpoint
+fuzz:
+	@$(MAKE) --no-print-directory deb-deps DEB_PACKAGES="clang-14 libclang-rt-14-dev $(DEB_PACKAGES)"
+	cmake -S tests/fuzz -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build build-fuzz -j $(JOBS)
+	@mkdir -p build-fuzz/crashes
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  rm -rf build-fuzz/work/$$t && mkdir -p build-fuzz/work/$$t && cp tests/fuzz/corpus/$$t/* build-fuzz/work/$$t/; \
+	  echo "smp: fuzzing $$t for $(FUZZ_SECONDS) s"; \
+	  build-fuzz/$${t}_fuzz -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    -artifact_prefix=build-fuzz/crashes/$$t- build-fuzz/work/$$t 2>build-fuzz/$$t.log \
+	    || { tail -40 build-fuzz/$$t.log; echo "smp: $${t}_fuzz crashed: its input is in build-fuzz/crashes/"; exit 1; }; \
+	  grep -E '^stat::(number_of_executed_units|average_exec_per_sec)|DONE' build-fuzz/$$t.log | tail -3; \
+	done
+
 # C++ headers, static libraries and CMake package (find_package(smp)) and bin/smprun to
 # PREFIX, then the Python packages `smp` and `smdistributed` into $(PYTHON)'s
 # site-packages for PREFIX (/usr/local -> /usr/local/lib/python3.X/dist-packages).
@@ -93,4 +113,4 @@ install: build
 	$(INSTALL_SUDO) $(PYTHON) tools/install_python.py $(BUILD_DIR)/python --prefix $(PREFIX)
 
 clean:
-	rm -rf $(BUILD_DIR)
+	rm -rf $(BUILD_DIR) build-fuzz

@@ -17,53 +17,16 @@
 #include <thread>
 #include <sstream>
 
+#include "checkpoint/detail/trailer.h"
 #include "checkpoint/detail/zip_index.h"
 #include "smp_core/errors.h"
 
 namespace smp::checkpoint {
 namespace {
 
-constexpr char kMagic[9] = "SMPCKPT1";
-constexpr size_t kFooter = 24;
-constexpr size_t kEocd = 22;
-constexpr size_t kMaxTrailer = 0xFFFF;  // the zip comment length is 16 bits
+using namespace detail;  // the trailer and file helpers (detail/trailer.h)
+
 constexpr size_t kChunk = 1 << 20;      // read, then hashed while still in cache
-
-std::string sys_error(const std::string& what, const std::string& path) {
-  return str_cat("smp: checkpoint '", path, "': ", what, ": ", std::strerror(errno));
-}
-
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  Fd(const Fd&) = delete;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-uint64_t le64(const unsigned char* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-
-void put64(std::string& s, uint64_t v) {
-  for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
-}
-
-void pread_all(int fd, void* buf, size_t n, uint64_t off, const std::string& path) {
-  auto* p = static_cast<char*>(buf);
-  while (n > 0) {
-    ssize_t r = ::pread(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw CheckpointError(sys_error("read failed", path));
-    if (r == 0) throw CheckpointError(str_cat("smp: checkpoint '", path, "': truncated at byte ", off));
-    p += r;
-    off += static_cast<uint64_t>(r);
-    n -= static_cast<size_t>(r);
-  }
-}
 
 void pwrite_all(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
   auto* p = static_cast<const char*>(buf);
@@ -104,50 +67,6 @@ struct Hasher {
   void update(const void* p, size_t n) { XXH3_64bits_update_dispatch(st, p, n); }
   uint64_t digest() const { return XXH3_64bits_digest(st); }
 };
-
-// The trailer of `fd`: manifest, with its payload bounds checked against the size.
-Manifest read_trailer(int fd, const std::string& path, uint64_t* size_out) {
-  struct stat st;
-  if (::fstat(fd, &st) != 0) throw CheckpointError(sys_error("stat failed", path));
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  *size_out = size;
-  if (size < kFooter + kEocd) {
-    throw CheckpointError(str_cat("smp: checkpoint '", path, "': only ", size,
-                                  " bytes, no smp trailer (truncated, or not written by smp.save)"));
-  }
-  unsigned char foot[kFooter];
-  pread_all(fd, foot, kFooter, size - kFooter, path);
-  if (std::memcmp(foot + 16, kMagic, 8) != 0) {
-    throw CheckpointError(str_cat("smp: checkpoint '", path, "': no smp trailer at the end of its ",
-                                  size, " bytes (truncated, or not written by smp.save)"));
-  }
-  const uint64_t mlen = le64(foot), mhash = le64(foot + 8);
-  if (mlen + kFooter > kMaxTrailer || mlen + kFooter + kEocd > size) {
-    throw CheckpointError(str_cat("smp: checkpoint '", path, "': trailer damaged (manifest length ",
-                                  mlen, ")"));
-  }
-  std::string text(mlen, '\0');
-  pread_all(fd, text.data(), mlen, size - kFooter - mlen, path);
-  if (XXH3_64bits(text.data(), text.size()) != mhash) {
-    throw CheckpointError(str_cat("smp: checkpoint '", path, "': manifest checksum mismatch (file altered)"));
-  }
-  Manifest m = Manifest::decode(text, path);
-  if (m.format_version != kFormatVersion) {
-    throw CheckpointError(str_cat("smp: checkpoint '", path, "': format version ", m.format_version,
-                                  " is not supported (this smp reads version ", kFormatVersion, ")"));
-  }
-  const uint64_t trailer = mlen + kFooter;
-  if (m.payload_size + trailer != size) {
-    throw CheckpointError(str_cat("smp: checkpoint '", path, "': ", size, " bytes but the manifest says ",
-                                  m.payload_size + trailer, " (truncated or extended)"));
-  }
-  unsigned char clen[2];
-  pread_all(fd, clen, 2, m.payload_size - 2, path);
-  if (static_cast<uint64_t>(clen[0] | (clen[1] << 8)) != trailer) {
-    throw CheckpointError(str_cat("smp: checkpoint '", path, "': zip comment length does not match the trailer"));
-  }
-  return m;
-}
 
 }  // namespace
 

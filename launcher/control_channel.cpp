@@ -57,6 +57,23 @@ void Channel::flush_some() {
   }
 }
 
+std::string take_messages(std::string& in, std::deque<nlohmann::json>& inbox) {
+  size_t start = 0;
+  for (size_t nl; (nl = in.find('\n', start)) != std::string::npos; start = nl + 1) {
+    try {
+      auto msg = nlohmann::json::parse(in.begin() + start, in.begin() + nl);
+      if (!msg.is_object() || !msg.contains("t") || !msg["t"].is_string())
+        throw std::runtime_error("no message type");
+      if (msg["t"] != "hb") inbox.push_back(std::move(msg));
+    } catch (const std::exception& e) {
+      return std::string("malformed message: ") + e.what();
+    }
+  }
+  in.erase(0, start);
+  if (in.size() > kMaxMessageBytes) return "message longer than 4 MiB";
+  return "";
+}
+
 short Channel::poll_events() const { return POLLIN | (out_.empty() ? 0 : POLLOUT); }
 
 void Channel::on_poll(short revents) {
@@ -69,20 +86,11 @@ void Channel::on_poll(short revents) {
     if (n > 0) {
       last_rx_ = now_s();
       in_.append(buf, static_cast<size_t>(n));
-      size_t start = 0;
-      for (size_t nl; (nl = in_.find('\n', start)) != std::string::npos; start = nl + 1) {
-        try {
-          auto msg = nlohmann::json::parse(in_.begin() + start, in_.begin() + nl);
-          if (!msg.is_object() || !msg.contains("t") || !msg["t"].is_string())
-            throw std::runtime_error("no message type");
-          if (msg["t"] != "hb") inbox_.push_back(std::move(msg));
-        } catch (const std::exception& e) {
-          mark_lost(std::string("malformed message: ") + e.what());
-          return;
-        }
+      const std::string error = take_messages(in_, inbox_);
+      if (!error.empty()) {
+        mark_lost(error);
+        return;
       }
-      in_.erase(0, start);
-      if (in_.size() > kMaxMessageBytes) mark_lost("message longer than 4 MiB");
     } else if (n == 0) {
       mark_lost("connection closed");
     } else if (errno == EINTR) {

@@ -38,6 +38,13 @@ constexpr size_t kMaxMessageBytes = 4 << 20;
 // Monotonic clock in seconds.
 double now_s();
 
+// The decoder of the bytes a peer sent (Note [Control protocol]): moves every complete
+// line of `in` that is a JSON object with a string "t" into `inbox` (heartbeats
+// dropped), keeps the incomplete rest in `in`, and returns "" or what is wrong (a
+// malformed line, or more than kMaxMessageBytes without a newline); the caller then
+// drops the connection. Fuzzed by tests/fuzz/control_line_fuzz.cpp.
+std::string take_messages(std::string& in, std::deque<nlohmann::json>& inbox);
+
 // One non-blocking TCP connection carrying line-delimited JSON. Owns the fd. Not
 // thread-safe; driven by the launcher's poll loop (poll_events / on_poll).
 class Channel {

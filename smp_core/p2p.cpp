@@ -16,6 +16,7 @@
 
 #include "smp_core/comm.h"
 #include "smp_core/detail/tcp_mesh.h"
+#include "smp_core/detail/wire.h"
 #include "smp_core/errors.h"
 #include "smp_core/task.h"
 #include "smp_core/task_rng.h"
@@ -23,8 +24,7 @@
 namespace smp {
 namespace {
 
-constexpr int64_t kMagic = 0x736d7033;  // "smp3"
-constexpr int kMaxDims = 8;
+using namespace detail::wire;  // the format's constants (detail/wire.h)
 
 // Note [Wire format]: a message is ONE gathered write on the peer's socket: kFixedWords
 // header words, then per tensor kWordsPerTensor descriptor words, then the meta bytes,
@@ -45,11 +45,9 @@ constexpr int kMaxDims = 8;
 // as torch's Dropout draws its mask in memory order (empty_like keeps the strides), so
 // a transposed input crossing ranks would otherwise get another mask. Any other view
 // goes contiguous.
-constexpr size_t kFixedWords = 9;
-constexpr size_t kWordsPerTensor = 2 + 2 * kMaxDims;
-constexpr int64_t kByC10d = int64_t{1} << 16;
-constexpr int64_t kOnCuda = int64_t{1} << 17;
-constexpr int64_t kDtypeMask = 0xffff;
+// The receiver checks every word (detail/wire.h: decode_header, decode_tensor,
+// check_total) before it allocates: a peer cannot make it allocate or read beyond the
+// message it described (fuzzed by tests/fuzz/wire_fuzz.cpp).
 // c10d tag of payload tensors: the group is the engine's own, and per pair of ranks the
 // sends (one sender thread at a time, under the peer's send mutex) and the receives
 // (one receiver thread per peer) run in the same order.
@@ -60,6 +58,22 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 // The memory of a dense, non-overlapping tensor as a contiguous 1-D tensor (a view):
 // what the wire carries (Note [Layout travels]).
 at::Tensor flat(const at::Tensor& dense) { return dense.as_strided({dense.numel()}, {1}); }
+
+// The rest of a message whose header arrived: a close now is a cut message.
+void read_or_fail(int fd, void* buf, size_t n) {
+  if (!detail::read_exact(fd, buf, n))
+    throw CommError("the connection was closed in the middle of a message");
+}
+
+// detail::wire::ElementSize for this build's torch: 0 for a value that is no dtype.
+int element_size(int dtype) {
+  if (dtype < 0 || dtype >= static_cast<int>(at::ScalarType::NumOptions)) return 0;
+  try {
+    return static_cast<int>(c10::elementSize(static_cast<at::ScalarType>(dtype)));
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
 
 // Note [Late messages after a peer left].
 constexpr std::chrono::milliseconds kFatalGrace{1000};
@@ -150,55 +164,43 @@ struct P2PEngine::Impl {
         int64_t w[kFixedWords];
         if (!detail::read_exact(fd, w, sizeof w))
           throw CommError("the connection was closed");
-        SMP_CHECK(w[0] == kMagic, "p2p: bad message header from pp rank ", peer);
-        const int64_t total = w[1];
-        if (total == 0) {  // the peer's engine is shutting down: nothing more will come
+        const Header h = decode_header(w);
+        if (h.closing) {  // the peer's engine is shutting down: nothing more will come
           fail(str_cat("smp: pp rank ", peer, " closed its pipeline engine (seen on pp rank ",
                        rank, ")"));
           return;
         }
+        const int64_t total = h.total;
         Message m;
         m.src = peer;
-        m.mb = w[2];
-        m.call_id = w[3];
-        m.kind = static_cast<int32_t>(w[4]);
-        const int64_t meta_len = w[5], n = w[6];
-        m.epoch = w[7];
-        const int64_t rng_len = w[8];
-        SMP_CHECK(meta_len >= 0 && n >= 0 && rng_len >= 0 && meta_len + rng_len <= total,
-                  "p2p: bad message header from pp rank ", peer);
-        std::vector<int64_t> desc(static_cast<size_t>(n) * kWordsPerTensor);
-        m.meta.resize(static_cast<size_t>(meta_len));
-        m.rng.resize(static_cast<size_t>(rng_len));
-        if (!desc.empty()) detail::read_exact(fd, desc.data(), desc.size() * 8);
-        if (meta_len) detail::read_exact(fd, m.meta.data(), m.meta.size());
-        if (rng_len) detail::read_exact(fd, m.rng.data(), m.rng.size());
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t* t = desc.data() + i * kWordsPerTensor;
-          SMP_CHECK(t[1] >= 0 && t[1] <= kMaxDims, "p2p: bad tensor descriptor from pp rank ", peer);
-          std::vector<int64_t> dims(t + 2, t + 2 + t[1]);
-          std::vector<int64_t> strides(t + 2 + kMaxDims, t + 2 + kMaxDims + t[1]);
-          const bool c10d_payload = t[0] & kByC10d;
+        m.mb = h.mb;
+        m.call_id = h.call_id;
+        m.kind = h.kind;
+        m.epoch = h.epoch;
+        std::vector<int64_t> desc(static_cast<size_t>(h.n_tensors) * kWordsPerTensor);
+        if (!desc.empty()) read_or_fail(fd, desc.data(), desc.size() * 8);
+        std::vector<TensorSpec> specs;
+        for (int64_t i = 0; i < h.n_tensors; ++i)
+          specs.push_back(decode_tensor(desc.data() + i * kWordsPerTensor, element_size));
+        check_total(h, specs);  // before a byte more is read or allocated
+        m.meta.resize(static_cast<size_t>(h.meta_len));
+        m.rng.resize(static_cast<size_t>(h.rng_len));
+        if (h.meta_len) read_or_fail(fd, m.meta.data(), m.meta.size());
+        if (h.rng_len) read_or_fail(fd, m.rng.data(), m.rng.size());
+        for (const TensorSpec& s : specs) {
           // Taken under the lock: orders this read of `device` after set_payload_group.
           c10::intrusive_ptr<c10d::ProcessGroup> group;
-          if (c10d_payload) group = payload_group(peer);
-          const at::Device where = (t[0] & kOnCuda) ? device : at::Device(at::kCPU);
-          for (size_t k = 0; k < dims.size(); ++k)
-            SMP_CHECK(dims[k] >= 0 && strides[k] >= 0, "p2p: bad tensor descriptor from pp rank ",
-                      peer);
+          if (s.by_c10d) group = payload_group(peer);
+          const at::Device where = s.on_cuda ? device : at::Device(at::kCPU);
           auto tensor = at::empty_strided(
-              dims, strides,
-              at::TensorOptions().dtype(static_cast<at::ScalarType>(t[0] & kDtypeMask)).device(where));
-          // Note [Layout travels]: only a dense layout is read straight into memory.
-          SMP_CHECK(tensor.is_non_overlapping_and_dense(), "p2p: bad tensor layout from pp rank ",
-                    peer);
-          const auto nbytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-          if (c10d_payload) {
+              s.sizes, s.strides,
+              at::TensorOptions().dtype(static_cast<at::ScalarType>(s.dtype)).device(where));
+          if (s.by_c10d) {
             std::vector<at::Tensor> one{flat(tensor)};
             wait_payload(group->recv(one, peer, kPayloadTag),
                          str_cat("a pipeline tensor from pp rank ", peer, " (c10d recv)"));
-          } else if (nbytes) {
-            detail::read_exact(fd, tensor.data_ptr(), nbytes);
+          } else if (s.nbytes) {
+            read_or_fail(fd, tensor.data_ptr(), static_cast<size_t>(s.nbytes));
           }
           m.tensors.push_back(std::move(tensor));
         }
@@ -413,6 +415,7 @@ void P2PEngine::send(int dst, const Message& msg) {
   const int64_t n = static_cast<int64_t>(msg.tensors.size());
   const int64_t meta_len = static_cast<int64_t>(msg.meta.size());
   const int64_t rng_len = static_cast<int64_t>(msg.rng.size());
+  SMP_CHECK(n <= kMaxTensors, "p2p: a message of ", n, " tensors (at most ", kMaxTensors, ")");
   std::vector<int64_t> head(kFixedWords + n * kWordsPerTensor, 0);
   std::vector<at::Tensor> tensors, by_c10d;
   int64_t total = static_cast<int64_t>(head.size()) * 8 + meta_len + rng_len;

@@ -53,7 +53,9 @@ std::vector<ZipRecord> read_zip_index(int fd, uint64_t eocd_offset, const std::s
     cd_size = le(&z[40], 8);
     cd_off = le(&z[48], 8);
   }
-  if (cd_off + cd_size > eocd_offset) bad(path, "zip directory lies past its end record");
+  // Written as subtractions: a zip64 record's 64-bit fields could wrap a sum around.
+  if (cd_off > eocd_offset || cd_size > eocd_offset - cd_off)
+    bad(path, "zip directory lies past its end record");
   auto cd = read_at(fd, cd_off, cd_size, path);
   std::vector<ZipRecord> out;
   size_t p = 0;
@@ -79,17 +81,19 @@ std::vector<ZipRecord> read_zip_index(int fd, uint64_t eocd_offset, const std::s
       x += 4 + sz;
     }
     if (method != 0 || csize != usize) bad(path, str_cat("record '", name, "' is compressed"));
+    if (lh > cd_off) bad(path, str_cat("record '", name, "' lies past the directory"));
     auto hdr = read_at(fd, lh, 30, path);
     if (le(hdr.data(), 4) != 0x04034b50) bad(path, str_cat("record '", name, "' header damaged"));
-    uint64_t data = lh + 30 + le(&hdr[26], 2) + le(&hdr[28], 2);
-    if (data + usize > cd_off) bad(path, str_cat("record '", name, "' overlaps the directory"));
+    const uint64_t data = lh + 30 + le(&hdr[26], 2) + le(&hdr[28], 2);  // lh < 2^64 - 2^17
+    if (data > cd_off || usize > cd_off - data)
+      bad(path, str_cat("record '", name, "' overlaps the directory"));
     out.push_back({std::move(name), data, usize});
     p += 46 + nlen + xlen + clen;
   }
   std::sort(out.begin(), out.end(),
             [](const ZipRecord& a, const ZipRecord& b) { return a.offset < b.offset; });
   for (size_t i = 1; i < out.size(); ++i) {
-    if (out[i].offset < out[i - 1].offset + out[i - 1].size) bad(path, "zip records overlap");
+    if (out[i].offset - out[i - 1].offset < out[i - 1].size) bad(path, "zip records overlap");
   }
   return out;
 }

@@ -1,6 +1,9 @@
 #include "launcher/options.h"
 
 #include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -9,6 +12,7 @@
 #include <sstream>
 
 #include "launcher/net.h"
+#include "smp_core/detail/auth.h"
 
 namespace smp::launcher {
 
@@ -147,6 +151,50 @@ std::string resolve_program(const std::string& program, const EnvMap& env,
   return "";
 }
 
+// Note [Job secret] (smp_core/detail/auth.h): where the job's secret comes from.
+std::string resolve_secret(const std::string& secret_file, const EnvMap& env, LaunchOptions* o) {
+  std::string file = secret_file, where = "--secret_file";
+  auto get = [&](const char* key) {
+    auto it = env.find(key);
+    return it == env.end() ? std::string() : it->second;
+  };
+  if (file.empty() && !get(auth::kSecretEnv).empty()) {
+    o->secret = get(auth::kSecretEnv);
+    where = auth::kSecretEnv;
+  } else {
+    if (file.empty()) {
+      file = get(auth::kSecretFileEnv);
+      where = auth::kSecretFileEnv;
+    }
+    if (!file.empty()) {
+      std::ifstream in(file);
+      if (!in) return where + " '" + file + "' cannot be read: " + std::strerror(errno);
+      std::stringstream text;
+      text << in.rdbuf();
+      o->secret = text.str();
+      o->secret.erase(o->secret.find_last_not_of(" \t\r\n") + 1);
+      o->secret.erase(0, o->secret.find_first_not_of(" \t\r\n"));
+      where += " '" + file + "'";
+    }
+  }
+  if (o->secret.empty()) {
+    if (o->nnodes > 1)
+      return "a job on " + std::to_string(o->nnodes) + " nodes needs a secret shared by every "
+             "node's smprun: export SMP_JOB_SECRET=<hex> (e.g. `openssl rand -hex 32`) on each "
+             "node, or pass --secret_file PATH on a file system they share";
+    o->secret = auth::to_hex(auth::random_bytes(auth::kKeyBytes));
+    o->secret_drawn = true;
+    return "";
+  }
+  try {
+    auth::key_from_secret(o->secret, where);
+  } catch (const std::invalid_argument& e) {
+    std::string what = e.what();
+    return what.rfind("smp: ", 0) == 0 ? what.substr(5) : what;
+  }
+  return "";
+}
+
 std::string validate_options(const LaunchOptions& o) {
   if (o.nnodes < 1) return "--nnodes must be >= 1, got " + std::to_string(o.nnodes);
   if (o.nproc_per_node < 1)
@@ -221,6 +269,10 @@ ParseResult parse_options(const std::vector<std::string>& argv, const EnvMap& en
                  "Seconds between SIGTERM and SIGKILL when stopping ranks (default 3)");
   app.add_option("--heartbeat_timeout,--heartbeat-timeout", o.heartbeat_timeout_s,
                  "Seconds of silence after which another node's launcher is dead (default 5)");
+  std::string secret_file;
+  app.add_option("--secret_file,--secret-file", secret_file,
+                 "File holding the job secret (hex, >= 32 digits) every node's smprun must share "
+                 "(default: SMP_JOB_SECRET, SMP_JOB_SECRET_FILE, or one drawn per job on one node)");
   auto* job_id = app.add_option("--job_id,--job-id", o.job_id,
                                 "Job identity all nodes must agree on (default: scheduler job id "
                                 "or 'smp')");
@@ -302,6 +354,7 @@ ParseResult parse_options(const std::vector<std::string>& argv, const EnvMap& en
   }
   r.error = resolve_program(rest.front(), env, &o.command);
   if (r.error.empty()) r.error = validate_options(o);
+  if (r.error.empty()) r.error = resolve_secret(secret_file, env, &o);
   if (!r.error.empty()) {
     r.status = kExitBadInput;
     return r;

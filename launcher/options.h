@@ -61,6 +61,12 @@ struct LaunchOptions {
   std::vector<std::string> command;
   // Which scheduler environments contributed defaults (for messages); may be empty.
   std::string defaults_source;
+  // The job secret (Note [Job secret] in smp_core/detail/auth.h), hex: from --secret_file,
+  // else SMP_JOB_SECRET, else SMP_JOB_SECRET_FILE, else drawn here (one node only).
+  // Every rank gets it as SMP_JOB_SECRET; the launchers prove it to each other.
+  std::string secret;
+  // True when this smprun drew the secret (nobody supplied one).
+  bool secret_drawn = false;
 };
 
 struct ParseResult {
@@ -74,6 +80,12 @@ struct ParseResult {
 
 // Parses argv (argv[0] is the program name) against `env`.
 ParseResult parse_options(const std::vector<std::string>& argv, const EnvMap& env);
+
+// Sets options->secret (Note [Job secret]): the file `secret_file` (--secret_file),
+// else SMP_JOB_SECRET, else the file SMP_JOB_SECRET_FILE of `env`; else one drawn now
+// when options->nnodes is 1. Returns an error message (unreadable, malformed, or none
+// for several nodes) or "".
+std::string resolve_secret(const std::string& secret_file, const EnvMap& env, LaunchOptions* options);
 
 // Validates `options` (ranges, program, nodes); returns an error message or "".
 std::string validate_options(const LaunchOptions& options);

@@ -31,6 +31,9 @@ EnvMap rank_environment(const EnvMap& base, const LaunchOptions& o, int local_ra
   env["MASTER_ADDR"] = o.master_addr;
   env["MASTER_PORT"] = std::to_string(master_port);
   env["SMP_RESTART_COUNT"] = std::to_string(attempt);
+  // Note [Job secret]: every rank holds the job's secret, in its environment only.
+  env["SMP_JOB_SECRET"] = o.secret;
+  env.erase("SMP_JOB_SECRET_FILE");
   if (!o.config_json.empty()) env["SMP_CONFIG"] = o.config_json;
   std::string threads = std::to_string(std::max(1, cores / std::max(1, o.nproc_per_node)));
   for (const char* key : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"}) {

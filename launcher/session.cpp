@@ -17,7 +17,13 @@
 namespace smp::launcher {
 
 Session::Session(const LaunchOptions& options, const EnvMap& env, int master_port)
-    : options_(options), master_port_(master_port), group_(options_, env, master_port) {}
+    : options_(options),
+      master_port_(master_port),
+      group_(options_, env, master_port),
+      // parse_options always sets a secret; a Session built by hand (tests) draws one.
+      job_key_(auth::key_from_secret(
+          options.secret.empty() ? auth::to_hex(auth::random_bytes(auth::kKeyBytes)) : options.secret,
+          "the job secret")) {}
 
 void Session::say(const std::string& text) { write_all(STDERR_FILENO, "smprun: " + text + "\n"); }
 
@@ -82,6 +88,15 @@ void Session::pump(double max_wait_s) {
       char host[NI_MAXHOST] = "?";
       getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof(host), nullptr, 0,
                   NI_NUMERICHOST);
+      // Note [Job secret]: the connecting launcher proves the job's secret before a
+      // line of it is read; a stranger is refused and named, and the rendezvous goes on.
+      const std::string why = auth::handshake_respond(fd, job_key_, "control", kControlContext,
+                                                      kHandshakeTimeoutS);
+      if (!why.empty()) {
+        say(std::string("refused a control connection from ") + host + ": " + why);
+        close(fd);
+        continue;
+      }
       accepted_.push_back(std::make_unique<Channel>(fd, std::string("a launcher at ") + host));
     }
   }

@@ -17,6 +17,7 @@
 #include "launcher/failure.h"
 #include "launcher/local_group.h"
 #include "launcher/options.h"
+#include "smp_core/detail/auth.h"
 
 namespace smp::launcher {
 
@@ -57,6 +58,13 @@ class Session {
   // A listening socket polled by pump(); accepted connections land in accepted_.
   int listen_fd_ = -1;
   std::vector<std::unique_ptr<Channel>> accepted_;
+  // Note [Job secret]: the key of options_.secret, which the launchers prove to each
+  // other (label "control", context kControlContext) before a control line is read.
+  auth::Key job_key_;
+  static constexpr const char* kControlContext = "smp-control";
+  // A launcher answers in milliseconds; a stranger that stalls holds the rendezvous
+  // loop this long at most (well under --heartbeat_timeout).
+  static constexpr double kHandshakeTimeoutS = 2.0;
 
  private:
   std::vector<int> signals_;

@@ -51,8 +51,18 @@ int Worker::join() {
       double left = std::max(0.0, deadline - now_s());
       poll(p, 2, static_cast<int>(std::min(1.0, left) * 1000) + 1);
       if (p[0].revents != 0 && finish_connect(fd, &error)) {
-        channel_ = std::make_unique<Channel>(fd, "node 0 at " + coordinator());
-        break;
+        // Note [Job secret]: node 0 proves the job's secret, and so does this node.
+        const std::string why = auth::handshake_initiate(
+            fd, job_key_, "control", kControlContext,
+            std::max(0.1, std::min(kHandshakeTimeoutS, deadline - now_s())));
+        if (why.empty()) {
+          channel_ = std::make_unique<Channel>(fd, "node 0 at " + coordinator());
+          break;
+        }
+        close(fd);
+        say("error: node 0 at " + coordinator() + " failed authentication: " + why +
+            " (every node's smprun needs the same SMP_JOB_SECRET or --secret_file)");
+        return kExitFailure;
       }
       if (p[0].revents == 0) error = "connection timed out";
       close(fd);

@@ -112,8 +112,7 @@ CallAgreement::CallAgreement(StorePtr store, int rank, double timeout_s, std::st
 CallAgreement::Posted CallAgreement::read_current(int q) {
   std::string key = str_cat(prefix_, "/cur/", q);
   if (!store_->check({key})) return Posted{};  // get() would block until it exists
-  auto v = store_->get(key);
-  Posted p = Posted::decode(std::string(v.begin(), v.end()));
+  Posted p = Posted::decode(store_get_sealed(store_, key));
   // A rank killed before its exit handler ran left its last call posted: on this host
   // its pid tells.
   if (p.kind == Posted::kCall && p.host == host_ && detail::process_exited(p.pid)) {
@@ -194,7 +193,7 @@ void CallAgreement::post_and_throw(const E& error) {
   p.kind = Posted::kError;
   p.how = first_line(error.what());
   const std::string enc = p.encode();
-  store_->set(str_cat(prefix_, "/cur/", rank_), std::vector<uint8_t>(enc.begin(), enc.end()));
+  store_set_sealed(store_, str_cat(prefix_, "/cur/", rank_), enc);
   failed_.store(true);
   throw error;
 }
@@ -224,7 +223,7 @@ void CallAgreement::agree(const std::string& group, const std::vector<int>& memb
   };
   try {
     const std::string enc = mine.encode();
-    store_->set(str_cat(prefix_, "/cur/", rank_), std::vector<uint8_t>(enc.begin(), enc.end()));
+    store_set_sealed(store_, str_cat(prefix_, "/cur/", rank_), enc);
     int64_t n = store_->add(counter, 1);
     std::string old;
     {
@@ -301,7 +300,7 @@ void CallAgreement::mark_exited(const std::string& how, double linger_s) {
   try {
     const std::string enc = gone.encode();
     if (!failed_)  // an error this rank raised in a call says more than "exited"
-      store_->set(str_cat(prefix_, "/cur/", rank_), std::vector<uint8_t>(enc.begin(), enc.end()));
+      store_set_sealed(store_, str_cat(prefix_, "/cur/", rank_), enc);
     store_->set(str_cat(prefix_, "/gone/", rank_), std::vector<uint8_t>{1});
     if (linger_s <= 0 || !is_initialized()) return;
     const int world = runtime().env().world_size;

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "smp_core/detail/auth.h"
 #include "smp_core/errors.h"
 
 #include <algorithm>
@@ -83,10 +84,61 @@ void barrier(const ProcessGroupPtr& pg, double timeout_s, const std::string& wha
   wait_work(pg->barrier(), timeout_s, what);
 }
 
+void store_set_sealed(const StorePtr& store, const std::string& key, const std::string& value) {
+  const std::string sealed = auth::seal(key, value);
+  store->set(key, std::vector<uint8_t>(sealed.begin(), sealed.end()));
+}
+
+std::string store_get_sealed(const StorePtr& store, const std::string& key) {
+  const auto v = store->get(key);
+  try {
+    return auth::unseal(key, std::string(v.begin(), v.end()));
+  } catch (const std::runtime_error& e) {
+    throw CommError(e.what());
+  }
+}
+
+bool establish_job_key(const StorePtr& store, int rank, int world_size, double timeout_s) {
+  std::string secret;
+  try {
+    secret = auth::secret_from_env();
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+  const bool from_env = !secret.empty();
+  if (!from_env) {
+    // Note [Job secret]: no secret was given; rank 0 draws one. compareSet keeps the
+    // first one drawn should this store see a second init.
+    const std::string key = "smp/auth/drawn_secret";
+    if (rank == 0) {
+      const std::string mine = auth::to_hex(auth::random_bytes(auth::kKeyBytes));
+      const auto got = store->compareSet(key, {}, std::vector<uint8_t>(mine.begin(), mine.end()));
+      secret.assign(got.begin(), got.end());
+    } else {
+      try {
+        store->wait({key}, to_ms(timeout_s));
+      } catch (const std::exception& e) {
+        throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for rank 0 to "
+                                   "publish the job's key in the store (on rank ", rank, "): ",
+                                   first_line(e.what())));
+      }
+      const auto got = store->get(key);
+      secret.assign(got.begin(), got.end());
+    }
+  }
+  try {
+    auth::set_job_key(auth::key_from_secret(secret, from_env ? auth::kSecretEnv : "the drawn secret"),
+                      from_env);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+  return from_env;
+}
+
 std::vector<std::string> store_exchange(const StorePtr& store, const std::string& key, int rank,
                                         int world_size, const std::string& value,
                                         double timeout_s, const std::string& what) {
-  store->set(str_cat(key, "/", rank), std::vector<uint8_t>(value.begin(), value.end()));
+  store_set_sealed(store, str_cat(key, "/", rank), value);
   std::vector<std::string> keys;
   for (int r = 0; r < world_size; ++r) keys.push_back(str_cat(key, "/", r));
   // Poll rather than wait on all keys at once, so a timeout can name who is missing
@@ -122,9 +174,23 @@ std::vector<std::string> store_exchange(const StorePtr& store, const std::string
     pause = std::min(pause * 2, std::chrono::milliseconds(5));  // a check is one store round trip
   }
   std::vector<std::string> out;
+  std::string forged;
   for (int r = 0; r < world_size; ++r) {
     auto v = store->get(keys[r]);
-    out.emplace_back(v.begin(), v.end());
+    try {
+      out.push_back(auth::unseal(keys[r], std::string(v.begin(), v.end())));
+    } catch (const std::runtime_error&) {
+      forged += str_cat(forged.empty() ? "" : ",", r);
+    }
+  }
+  if (!forged.empty()) {
+    // As for a timeout: rank 0 hosts the store, and lingers so that every rank reads
+    // the values and raises this error too, rather than a reset connection.
+    if (rank == 0) std::this_thread::sleep_for(to_ms(std::min(2.0, timeout_s)));
+    throw CommError(str_cat("smp: ", what, " from rank(s) ", forged, " failed authentication on rank ",
+                            rank, ": those ranks hold another job secret (SMP_JOB_SECRET differs "
+                            "between nodes?), or a process outside the job wrote '", key,
+                            "/<rank>' in the store"));
   }
   return out;
 }
@@ -140,8 +206,7 @@ void StoreMailbox::send(int dst, const std::string& bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     seq = send_seq_[dst]++;
   }
-  store_->set(str_cat(prefix_, "/", rank_, "/", dst, "/", seq),
-              std::vector<uint8_t>(bytes.begin(), bytes.end()));
+  store_set_sealed(store_, str_cat(prefix_, "/", rank_, "/", dst, "/", seq), bytes);
 }
 
 std::string StoreMailbox::recv(int src) {
@@ -158,9 +223,9 @@ std::string StoreMailbox::recv(int src) {
                                " s waiting for message #", seq, " from rank ", src,
                                " on rank ", rank_, " (smp.recv_from): ", first_line(e.what())));
   }
-  auto v = store_->get(key);
+  std::string v = store_get_sealed(store_, key);  // refused before the caller unpickles it
   store_->deleteKey(key);
-  return std::string(v.begin(), v.end());
+  return v;
 }
 
 }  // namespace smp

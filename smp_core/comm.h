@@ -44,9 +44,25 @@ std::string broadcast_bytes(const ProcessGroupPtr& pg, const std::string& data, 
 
 void barrier(const ProcessGroupPtr& pg, double timeout_s, const std::string& what);
 
+// Note [Job secret] (detail/auth.h): every value smp puts in the store is sealed with
+// the job key, and read back only when its MAC verifies. store_get_sealed throws
+// CommError naming the key when it does not (nothing of the value is decoded).
+void store_set_sealed(const StorePtr& store, const std::string& key, const std::string& value);
+std::string store_get_sealed(const StorePtr& store, const std::string& key);
+
+// Sets this process's job key (Note [Job secret]), collectively over `store` before
+// any process group exists: SMP_JOB_SECRET (or SMP_JOB_SECRET_FILE) when set, else a
+// key rank 0 draws and publishes in the store. The first store_exchange after it (the
+// config's, in agree_config) is where every rank proves the key to every other: a
+// secret that differs between nodes fails there, on every rank, naming who differs,
+// before any collective. Returns true when the key came from the environment. Throws
+// ConfigError for a malformed secret.
+bool establish_job_key(const StorePtr& store, int rank, int world_size, double timeout_s);
+
 // Store-based all-to-all exchange used before any process group exists: rank posts
-// `value` under `key`/<rank> and reads every rank's. On timeout the error names the
-// ranks that never posted.
+// `value` under `key`/<rank> (sealed) and reads every rank's. On timeout the error
+// names the ranks that never posted; a value that fails authentication, the ranks
+// whose value it was.
 std::vector<std::string> store_exchange(const StorePtr& store, const std::string& key, int rank,
                                         int world_size, const std::string& value,
                                         double timeout_s, const std::string& what);

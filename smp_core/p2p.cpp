@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "smp_core/comm.h"
+#include "smp_core/detail/auth.h"
 #include "smp_core/detail/tcp_mesh.h"
 #include "smp_core/detail/wire.h"
 #include "smp_core/errors.h"
@@ -352,7 +353,7 @@ P2PEngine::P2PEngine(c10::intrusive_ptr<c10d::Store> store, const std::string& p
                                     host + ":" + std::to_string(listener.port()), timeout_s,
                                     "the pipeline transport's addresses");
     I.fds = detail::connect_mesh(listener, rank, addresses, std::hash<std::string>{}(prefix),
-                                 timeout_s);
+                                 auth::job_key(), timeout_s);
   }
   for (int r = 0; r < size; ++r) I.send_mu.push_back(std::make_unique<std::mutex>());
   for (int r = 0; r < size; ++r)

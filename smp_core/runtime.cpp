@@ -138,6 +138,9 @@ Config agree_config(const StorePtr& store, const ProcessEnv& env, const std::str
   } catch (const ConfigError& e) {
     mine = std::string("error:") + e.what();
   }
+  // Note [Job secret]: before anything else is read from the store; the config's
+  // exchange below then proves every rank's key to every other.
+  establish_job_key(store, env.rank, env.world_size, timeout_s);
   auto all = env.world_size == 1
                  ? std::vector<std::string>{mine}
                  : store_exchange(store, "smp/init/config", env.rank, env.world_size, mine,

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "bindings.h"
+#include "smp_core/detail/auth.h"
 #include "smp_core/call_agreement.h"
 #include "smp_core/comm.h"
 #include "smp_core/config.h"
@@ -139,6 +140,10 @@ void bind_core(py::module_& m) {
   m.def("agree_config", [](const StorePtr& store, int rank, int world, const std::string& raw) {
     return agree_config(store, make_env(rank, world, 0, 1), raw).to_json();
   }, release(), "Exchanges and checks every rank's config; returns the canonical JSON.");
+
+  m.def("job_secret_from_environment", &auth::job_key_from_environment,
+        "Whether this job's key came from SMP_JOB_SECRET (Note [Job secret]); false: rank 0 "
+        "drew it and shared it through the store.");
 
   m.def("install", [](const std::string& config_json, int rank, int world, int local_rank,
                       int local_size, const StorePtr& store, const ProcessGroupPtr& world_pg,

@@ -9,6 +9,7 @@ all of it to C++ (``_C.install``), then fills ``smp.state`` (smp/process_state.p
 import atexit
 import datetime
 import json
+import logging
 import os
 import sys
 from types import SimpleNamespace
@@ -81,7 +82,16 @@ def init(config=None):
             os.environ.setdefault("MASTER_PORT", str(where.master_port))
         store = launch_env.rendezvous(where, timeout_s, _wait_for_listener)
 
-    cfg_json = _C.agree_config(store, rank, world, raw)
+    cfg_json = _C.agree_config(store, rank, world, raw)  # sets the job key first
+    if rank == 0 and world > 1 and not _C.job_secret_from_environment():
+        # A warning where strangers on other hosts could reach the store; on one host
+        # (the store on loopback) a DEBUG line.
+        level = logging.WARNING if local_size < world else logging.DEBUG
+        log.get_logger().log(level,
+            "smp: no SMP_JOB_SECRET: this job's connections are authenticated with a key "
+            "drawn by rank 0 and shared through the c10d store, so anyone who can reach the "
+            "store can join them. smprun sets one per job; under torchrun or srun export "
+            "SMP_JOB_SECRET=$(openssl rand -hex 32) on every node (docs/security.md).")
     cfg = json.loads(cfg_json)
     topo = _C.Topology(world, cfg["partitions"], cfg["placement_strategy"])
     with event_driven_group_barrier():

@@ -10,9 +10,11 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
+#include "smp_core/detail/auth.h"
 #include "smp_core/errors.h"
 
 namespace smp::detail {
@@ -20,10 +22,27 @@ namespace {
 
 constexpr int64_t kHelloMagic = 0x736d7068656c6c6f;  // "smphello"
 constexpr int kBufferBytes = 8 << 20;                // asked for; the kernel may cap it
+// A hello and its handshake must come promptly; anything slower is not one of ours.
+constexpr double kHelloTimeout = 5.0;
 
 std::string errno_text() { return std::strerror(errno); }
 
 using Clock = std::chrono::steady_clock;
+
+// What both ends of one mesh connection bind into its handshake: the mesh and the
+// two ranks (so that a proof for one pair or mesh is not one for another).
+std::string mesh_context(uint64_t mesh_id, int64_t lower, int64_t higher) {
+  return str_cat("smp-mesh ", mesh_id, " ", lower, " ", higher);
+}
+
+std::string peer_address(int fd) {
+  sockaddr_in sa{};
+  socklen_t len = sizeof sa;
+  char text[INET_ADDRSTRLEN] = "?";
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0)
+    inet_ntop(AF_INET, &sa.sin_addr, text, sizeof text);
+  return str_cat(text, ":", ntohs(sa.sin_port));
+}
 
 int remaining_ms(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -116,7 +135,7 @@ Listener::~Listener() {
 
 std::vector<int> connect_mesh(Listener& listener, int rank,
                               const std::vector<std::string>& addresses, uint64_t nonce,
-                              double timeout_s) {
+                              const auth::Key& key, double timeout_s) {
   const int size = static_cast<int>(addresses.size());
   const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   std::vector<int> fds(size, -1);
@@ -131,6 +150,13 @@ std::vector<int> connect_mesh(Listener& listener, int rank,
       configure(fd, timeout_s);
       int64_t hello[3] = {kHelloMagic, static_cast<int64_t>(nonce), rank};
       write_all(fd, {iovec{hello, sizeof hello}});
+      // Note [Job secret]: the peer proves the job's key before this rank trusts it.
+      const std::string why = auth::handshake_initiate(
+          fd, key, "mesh", mesh_context(nonce, peer, rank),
+          std::max(0.001, remaining_ms(deadline) / 1000.0));
+      if (!why.empty())
+        throw CommError(str_cat("smp: p2p: pp rank ", peer, " at ", addresses[peer],
+                                " failed authentication (on pp rank ", rank, "): ", why));
     }
     int missing = size - 1 - rank;
     while (missing > 0) {
@@ -148,7 +174,7 @@ std::vector<int> connect_mesh(Listener& listener, int rank,
       int fd = accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) continue;
       // A hello must come promptly; anything else is not one of ours.
-      timeval tv{5, 0};
+      timeval tv{static_cast<time_t>(kHelloTimeout), 0};
       setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
       int64_t hello[3] = {0, 0, -1};
       bool ok = false;
@@ -157,8 +183,21 @@ std::vector<int> connect_mesh(Listener& listener, int rank,
       } catch (const CommError&) {
       }
       const int64_t peer = hello[2];
-      if (!ok || hello[0] != kHelloMagic || hello[1] != static_cast<int64_t>(nonce) ||
-          peer <= rank || peer >= size || fds[peer] >= 0) {
+      std::string why;
+      if (!ok || hello[0] != kHelloMagic) {
+        why = "not an smp pipeline hello";
+      } else if (hello[1] != static_cast<int64_t>(nonce) || peer <= rank || peer >= size ||
+                 fds[peer] >= 0) {
+        why = str_cat("a hello for another mesh or rank (", peer, ")");
+      } else {
+        why = auth::handshake_respond(fd, key, "mesh", mesh_context(nonce, rank, peer),
+                                      kHelloTimeout);
+      }
+      if (!why.empty()) {
+        // Refused before any byte of it is decoded; said on stderr with its address,
+        // and the wait goes on for the real peers.
+        std::fprintf(stderr, "smp: pp rank %d refused a pipeline connection from %s: %s\n", rank,
+                     peer_address(fd).c_str(), why.c_str());
         close(fd);
         continue;
       }

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "smp_core/detail/auth.h"
+
 namespace smp::detail {
 
 // The local IPv4 address this host uses to reach `host` (the route's source address;
@@ -43,13 +45,17 @@ class Listener {
 
 // Connects rank `rank` to every other rank of a group of addresses.size() ranks
 // ("ip:port" of each rank's listener; all ranks call this together). Lower ranks
-// accept, higher ranks connect, and a hello (magic, `nonce`, rank) identifies each
-// connection, so stray or stale connections are refused. Returns one connected fd per
-// rank (-1 for `rank` itself), with TCP_NODELAY, large buffers and a send timeout of
-// `timeout_s`. Throws CommError/TimeoutError naming the ranks that never connected.
+// accept, higher ranks connect. A hello (magic, `nonce` naming the mesh, rank) says
+// who connects, then both ends prove `key` (Note [Job secret] in auth.h), bound to
+// the mesh and the two ranks. A connection that fails either is closed before any
+// byte of it is decoded and logged on stderr with its address, and the wait goes on.
+// Returns one connected fd per rank (-1 for `rank` itself), with TCP_NODELAY, large
+// buffers and a send timeout of `timeout_s`. Throws CommError/TimeoutError naming the
+// ranks that never connected, or a peer this rank connected to that failed to prove
+// the key.
 std::vector<int> connect_mesh(Listener& listener, int rank,
                               const std::vector<std::string>& addresses, uint64_t nonce,
-                              double timeout_s);
+                              const auth::Key& key, double timeout_s);
 
 // Reads exactly `n` bytes. Returns false if the peer closed the connection before the
 // first byte (a clean end); throws CommError on any other failure or a short read.

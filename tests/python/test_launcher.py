@@ -23,6 +23,7 @@ BUILD = Path(os.environ.get("SMP_BUILD_DIR", REPO / "build"))
 SMPRUN = BUILD / "bin" / "smprun"
 SCRIPTS = Path(__file__).resolve().parent / "launcher_scripts"
 TIMEOUT = 30  # seconds, any single launcher run
+TEST_SECRET = "5e" * 32
 
 pytestmark = pytest.mark.skipif(not SMPRUN.exists(), reason=f"{SMPRUN} not built")
 
@@ -32,6 +33,9 @@ def clean_env(**extra):
     prefixes = ("SLURM_", "OMPI_", "SM_", "MASTER_", "PMIX_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
     env.pop("SMP_CONFIG", None)
+    # Multi-node jobs need a secret every node shares (Note [Job secret]); one node draws
+    # its own when none is set (test_security.py).
+    env["SMP_JOB_SECRET"] = TEST_SECRET
     env.update(extra)
     return env
 

@@ -76,7 +76,8 @@ def test_default_prints_one_summary_line_on_rank_0(ranks):
 
 
 def test_debug_level_adds_the_table(ranks):
-    res = _run(ranks, env={"SMP_LOG_LEVEL": "debug"})
+    # (With a job secret, as smprun gives: no DEBUG line about its absence.)
+    res = _run(ranks, env={"SMP_LOG_LEVEL": "debug", "SMP_JOB_SECRET": "ab" * 32})
     lines = _smp_lines(res[0].stderr)
     assert lines[0].startswith("smp: partitioned "), res[0]
     assert lines[1] == "smp: partition plan", res[0]

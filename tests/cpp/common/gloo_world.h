@@ -13,8 +13,16 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "smp_core/compat/torch_compat.h"
+#include "smp_core/detail/auth.h"
 
 namespace smp::testing {
+
+// Note [Job secret]: smp.init sets the process's job key; a test's ranks (threads of
+// one process) share one drawn for the test binary.
+inline const bool kTestJobKeySet = [] {
+  auth::set_job_key(auth::key_from_secret(auth::to_hex(auth::random_bytes(32)), "test"));
+  return true;
+}();
 
 // Calls fn(rank, pg, store) on n threads; rethrows the first exception of any rank.
 inline void run_gloo_world(

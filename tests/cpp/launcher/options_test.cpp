@@ -27,7 +27,7 @@ class OptionsTest : public ::testing::Test {
     chmod(exe_.c_str(), 0755);
     plain_ = dir_ + "/data.txt";
     std::ofstream(plain_) << "x\n";
-    env_ = {{"PATH", "/usr/bin:/bin"}};
+    env_ = {{"PATH", "/usr/bin:/bin"}, {"SMP_JOB_SECRET", kSecret}};
   }
   void TearDown() override { std::system(("rm -rf " + dir_).c_str()); }
 
@@ -41,6 +41,7 @@ class OptionsTest : public ::testing::Test {
     EXPECT_NE(r.error.find(fragment), std::string::npos) << "error was: " << r.error;
   }
 
+  static constexpr const char* kSecret = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
   std::string dir_, script_, exe_, plain_;
   EnvMap env_;
 };
@@ -161,7 +162,8 @@ TEST_F(OptionsTest, ConfigInlineFileAndErrors) {
 TEST_F(OptionsTest, SchedulerDefaultsAndFlagsWin) {
   env_ = {{"PATH", "/usr/bin:/bin"},    {"SLURM_JOB_ID", "99"},
           {"SLURM_NNODES", "2"},        {"SLURM_NODEID", "1"},
-          {"SLURM_NTASKS_PER_NODE", "4"}, {"SLURM_JOB_NODELIST", "node[01-02]"}};
+          {"SLURM_NTASKS_PER_NODE", "4"}, {"SLURM_JOB_NODELIST", "node[01-02]"},
+          {"SMP_JOB_SECRET", kSecret}};
   ParseResult r = parse({script_});
   ASSERT_EQ(r.status, 0) << r.error;
   EXPECT_EQ(r.options.nnodes, 2);
@@ -208,6 +210,44 @@ TEST(CheckMasterPort, ReportsPortInUse) {
   o.nnodes = 2;
   EXPECT_EQ(check_master_port(o), "");
   close(fd);
+}
+
+// Note [Job secret]: where the secret comes from, and what is refused.
+TEST_F(OptionsTest, JobSecretIsDrawnOnOneNodeAndRequiredAcrossNodes) {
+  env_.erase("SMP_JOB_SECRET");
+  ParseResult a = parse({script_}), b = parse({script_});
+  ASSERT_EQ(a.status, 0) << a.error;
+  EXPECT_TRUE(a.options.secret_drawn);
+  EXPECT_EQ(a.options.secret.size(), 64u);
+  EXPECT_NE(a.options.secret, b.options.secret);  // one per job
+  expect_error({"--nnodes", "2", "--node_rank", "1", "--master_addr", "h", script_},
+               "a job on 2 nodes needs a secret shared by every node's smprun");
+}
+
+TEST_F(OptionsTest, JobSecretFromEnvironmentOrFile) {
+  ParseResult r = parse({"--nnodes", "2", "--node_rank", "1", "--master_addr", "h", script_});
+  ASSERT_EQ(r.status, 0) << r.error;
+  EXPECT_EQ(r.options.secret, kSecret);
+  EXPECT_FALSE(r.options.secret_drawn);
+  const std::string file = dir_ + "/secret";
+  std::ofstream(file) << "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100\n";
+  r = parse({"--secret_file", file, script_});  // the flag wins over the environment
+  ASSERT_EQ(r.status, 0) << r.error;
+  EXPECT_EQ(r.options.secret, "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100");
+  env_.erase("SMP_JOB_SECRET");
+  env_["SMP_JOB_SECRET_FILE"] = file;
+  r = parse({script_});
+  ASSERT_EQ(r.status, 0) << r.error;
+  EXPECT_EQ(r.options.secret.substr(0, 4), "ffee");
+}
+
+TEST_F(OptionsTest, MalformedJobSecretsNameTheirSource) {
+  env_["SMP_JOB_SECRET"] = "not-hex-not-hex-not-hex-not-hex-not-hex!";
+  expect_error({script_}, "SMP_JOB_SECRET holds a character that is not a hex digit");
+  env_["SMP_JOB_SECRET"] = "abcd";
+  expect_error({script_}, "SMP_JOB_SECRET must be an even number of hex digits, at least 32");
+  env_.erase("SMP_JOB_SECRET");
+  expect_error({"--secret_file", dir_ + "/missing", script_}, "--secret_file '" + dir_ + "/missing' cannot be read");
 }
 
 }  // namespace

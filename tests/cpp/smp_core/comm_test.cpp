@@ -1,4 +1,5 @@
 #include "smp_core/comm.h"
+#include "smp_core/detail/auth.h"
 
 #include <gtest/gtest.h>
 
@@ -64,7 +65,7 @@ TEST(Comm, MailboxTimeoutNamesSender) {
 TEST(Comm, StoreExchangeNamesMissingRanks) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   // Ranks 0 and 2 of 3 post; rank 1 never does.
-  store->set("ex/2", std::vector<uint8_t>{'z'});
+  store_set_sealed(store, "ex/2", "z");
   try {
     store_exchange(store, "ex", 0, 3, "a", 0.2, "the config of every rank");
     FAIL();
@@ -72,9 +73,37 @@ TEST(Comm, StoreExchangeNamesMissingRanks) {
     std::string msg = e.what();
     EXPECT_NE(msg.find("waiting for the config of every rank from rank(s) 1 (on rank 0)"), std::string::npos) << msg;
   }
-  store->set("ex/1", std::vector<uint8_t>{'y'});
+  store_set_sealed(store, "ex/1", "y");
   auto all = store_exchange(store, "ex", 0, 3, "a", 1, "x");
   EXPECT_EQ(all, (std::vector<std::string>{"a", "y", "z"}));
+}
+
+// Note [Job secret]: a value written without the job's key (a stranger on the store, or
+// a rank with another SMP_JOB_SECRET) is refused, naming whose it was; so is a message.
+TEST(Comm, StoreValuesWithoutTheJobKeyAreRefused) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->set("ex/1", std::vector<uint8_t>{'y'});  // no MAC at all
+  const std::string other_key = auth::mac(auth::key_from_secret(std::string(64, 'e'), "t"),
+                                          "store:ex/2", "z");
+  std::vector<uint8_t> forged{'z'};
+  forged.insert(forged.end(), other_key.begin(), other_key.end());
+  store->set("ex/2", forged);  // sealed under another key
+  try {
+    store_exchange(store, "ex", 0, 3, "a", 0.1, "the values");
+    FAIL();
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("the values from rank(s) 1,2 failed authentication on rank 0"),
+              std::string::npos) << e.what();
+  }
+  StoreMailbox box(store, 1, 0.5, "mb");
+  store->set("mb/0/1/0", std::vector<uint8_t>{'p', 'i', 'c', 'k', 'l', 'e'});
+  try {
+    box.recv(0);
+    FAIL();
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("'mb/0/1/0' failed authentication"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -5,5 +5,5 @@ import sys
 
 KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
         "MASTER_PORT", "SMP_CONFIG", "SMP_RESTART_COUNT", "OMP_NUM_THREADS",
-        "OPENBLAS_NUM_THREADS"]
+        "OPENBLAS_NUM_THREADS", "SMP_JOB_SECRET"]
 print("ENV " + json.dumps({k: os.environ.get(k) for k in KEYS} | {"argv": sys.argv[1:]}))

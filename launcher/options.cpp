@@ -269,6 +269,9 @@ ParseResult parse_options(const std::vector<std::string>& argv, const EnvMap& en
                  "Seconds between SIGTERM and SIGKILL when stopping ranks (default 3)");
   app.add_option("--heartbeat_timeout,--heartbeat-timeout", o.heartbeat_timeout_s,
                  "Seconds of silence after which another node's launcher is dead (default 5)");
+  app.add_option("--checkpoint_dir,--checkpoint-dir", o.checkpoint_dir,
+                 "Directory of the job's smp.save_checkpoint saves; a (re)started job resumes "
+                 "from its newest complete one by itself (SMP_CHECKPOINT_DIR)");
   std::string secret_file;
   app.add_option("--secret_file,--secret-file", secret_file,
                  "File holding the job secret (hex, >= 32 digits) every node's smprun must share "
@@ -355,6 +358,11 @@ ParseResult parse_options(const std::vector<std::string>& argv, const EnvMap& en
   r.error = resolve_program(rest.front(), env, &o.command);
   if (r.error.empty()) r.error = validate_options(o);
   if (r.error.empty()) r.error = resolve_secret(secret_file, env, &o);
+  if (r.error.empty() && !o.checkpoint_dir.empty() && o.checkpoint_dir[0] != '/') {
+    // Absolute, so that a rank that changes its directory still finds it.
+    char cwd[4096];
+    if (getcwd(cwd, sizeof cwd) != nullptr) o.checkpoint_dir = std::string(cwd) + "/" + o.checkpoint_dir;
+  }
   if (!r.error.empty()) {
     r.status = kExitBadInput;
     return r;

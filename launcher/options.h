@@ -67,6 +67,10 @@ struct LaunchOptions {
   std::string secret;
   // True when this smprun drew the secret (nobody supplied one).
   bool secret_drawn = false;
+  // Where the job saves its checkpoints and resumes from after a restart (Note
+  // [Automatic resume] in python/smp/auto_resume.py); passed as SMP_CHECKPOINT_DIR
+  // (absolute). Empty: not given.
+  std::string checkpoint_dir;
 };
 
 struct ParseResult {

@@ -35,6 +35,7 @@ EnvMap rank_environment(const EnvMap& base, const LaunchOptions& o, int local_ra
   env["SMP_JOB_SECRET"] = o.secret;
   env.erase("SMP_JOB_SECRET_FILE");
   if (!o.config_json.empty()) env["SMP_CONFIG"] = o.config_json;
+  if (!o.checkpoint_dir.empty()) env["SMP_CHECKPOINT_DIR"] = o.checkpoint_dir;
   std::string threads = std::to_string(std::max(1, cores / std::max(1, o.nproc_per_node)));
   for (const char* key : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"}) {
     if (base.find(key) == base.end()) env[key] = threads;

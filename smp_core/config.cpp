@@ -101,6 +101,13 @@ class Parser {
     return v.get<bool>();
   }
 
+  std::string get_string(const std::string& key, const std::string& def) {
+    if (!has(key)) return def;
+    const json& v = obj_.at(key);
+    if (!v.is_string()) fail(key, v, "a string");
+    return v.get<std::string>();
+  }
+
   std::string get_choice(const std::string& key, const std::string& def,
                          const std::vector<std::string>& choices) {
     if (!has(key)) return def;
@@ -138,6 +145,7 @@ uint64_t fnv1a(const std::string& s) {
 std::vector<std::string> config_keys() {
   std::vector<std::string> keys = {
       "partitions",     "pipeline_parallel_degree", "microbatches", "pipeline", "pipeline_order",
+      "checkpoint_dir",
       "ddp",            "placement_strategy",       "optimize",     "auto_partition",
       "default_partition", "memory_weight",         "active_microbatches", "contiguous",
       "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing",
@@ -206,6 +214,7 @@ Config Config::from_json(const std::string& text, int rank) {
   if (!p.has("backend")) c.backend = p.get_choice("ddp_dist_backend", "auto", backends);
   c.timeout_s = p.get_double("timeout_s", 300.0, 0.0, 1e7, /*lo_open=*/true);
   c.skip_tracing = p.get_bool("skip_tracing", false);
+  c.checkpoint_dir = p.get_string("checkpoint_dir", "");
   c.p2p_transport = p.get_choice("p2p_transport", "auto", {"auto", "tcp", "c10d"});
   for (const auto& k : neutral_keys()) {
     if (p.has(k.name) && obj[k.name] != k.neutral)
@@ -240,6 +249,7 @@ std::string Config::to_json() const {
             {"backend", backend},
             {"timeout_s", timeout_s},
             {"skip_tracing", skip_tracing},
+            {"checkpoint_dir", checkpoint_dir},
             {"p2p_transport", p2p_transport},
             {"pipeline_parallel_degree", partitions},
             {"ddp_dist_backend", backend}};

@@ -49,6 +49,10 @@ struct Config {
   std::string p2p_transport = "auto";
   // Skip the tracing pass (SMP v1.6+); the partitioner then uses parameter sizes only.
   bool skip_tracing = false;
+  // Where smp.save_checkpoint writes, and where a (re)started job resumes from by itself
+  // (Note [Automatic resume] in python/smp/auto_resume.py); "" = none. smprun's
+  // --checkpoint_dir sets it too (SMP_CHECKPOINT_DIR); this key wins.
+  std::string checkpoint_dir;
   // Compatibility keys smp accepts but does not use (ddp_port, ...), as given: a JSON
   // object, so SMP clients read them back through smp.state.cfg.
   std::string ignored_json = "{}";

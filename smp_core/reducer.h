@@ -109,6 +109,14 @@ class Reducer {
   // See Note [Hook buckets follow torch's] in detail/reducer_rebuild.cpp.
   void use_torch_initial_layout();
 
+  // Before the first step: takes `layout` (parameter indices per bucket, as
+  // bucket_indices() returned at a checkpoint) as the buckets, and no rebuild follows:
+  // a resumed job then shows its comm hook the buckets it showed before the restart
+  // (Note [Automatic resume] in python/smp/auto_resume.py). Collective over the group,
+  // every rank with its own saved layout. Throws std::invalid_argument unless `layout`
+  // holds every parameter exactly once; std::logic_error after the first step.
+  void adopt_layout(std::vector<std::vector<int64_t>> layout);
+
   // Call before each backward. sync=false: gradients only accumulate in .grad.
   // sync=true: this backward is the step's last; gradients are scaled by
   // `grad_scale` into the buckets as they become ready. Parameters not reachable from

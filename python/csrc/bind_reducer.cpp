@@ -505,6 +505,7 @@ void bind_reducer(py::module_& m) {
         r.register_comm_hook(to_comm_hook(state, hook));
       }, py::arg("state"), py::arg("hook"))
       .def("use_torch_initial_layout", &Reducer::use_torch_initial_layout, release())
+      .def("adopt_layout", &Reducer::adopt_layout, py::arg("layout"), release())
       .def("register_builtin_hook", [](Reducer& r, const std::string& name, const py::object& state,
                                        const py::object& inner) {
         r.register_comm_hook(to_comm_hook(state, py::cast(make_builtin(name, inner))));

@@ -275,6 +275,8 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         if self._comm_hook is not None:
             from smp.ddp_comm_hooks import _install
             _install(self._reducer, *self._comm_hook)
+        from smp import auto_resume
+        auto_resume.adopt_layout(self._reducer)  # a resumed job's buckets, if any
 
     def backward(self, tensors, grad_tensors=None):
         """Backward across partitions (replaces loss.backward() inside @smp.step).

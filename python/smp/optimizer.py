@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from smp import core
+from smp import auto_resume, core
 from smp import model_state
 
 __all__ = []
@@ -134,6 +134,14 @@ def _load_state_dict(self, state_dict):
     return self._smp_orig_load_state_dict(torch_sd)
 
 
+def _step(self, *args, **kwargs):
+    """The optimizer's own step, except those an automatic resume fast-forwards (Note
+    [Automatic resume] in smp/auto_resume.py)."""
+    if auto_resume.optimizer_step_skipped():
+        return None
+    return self._smp_orig_step(*args, **kwargs)
+
+
 def DistributedOptimizer(optimizer):  # noqa: N802  (SMP v1 name)
     """Adds `local_state_dict()` and partial-aware `state_dict`/`load_state_dict`.
 
@@ -153,6 +161,8 @@ def DistributedOptimizer(optimizer):  # noqa: N802  (SMP v1 name)
         optimizer.state_dict = types.MethodType(_state_dict, optimizer)
         optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)
         optimizer.local_state_dict = types.MethodType(_local_state_dict, optimizer)
+        optimizer._smp_orig_step = optimizer.step
+        optimizer.step = types.MethodType(_step, optimizer)
         from smp import join
         join.make_optimizer_joinable(optimizer)  # Join([model, optimizer]) (smp/join.py)
     core.state.optimizer = optimizer

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from smp import _C, launch_env, log
+from smp import _C, auto_resume, launch_env, log
 from smp.config_source import config_text, timeout_of
 from smp.groups import choose_backend, create_groups, event_driven_group_barrier
 from smp.process_state import state
@@ -108,6 +108,7 @@ def init(config=None):
     state.store = store
     state.groups = groups
     state.initialized = True
+    auto_resume.arm()  # Note [Automatic resume]: a checkpoint to continue from, if any
     timeline.start(rank)
     atexit.register(timeline.close)
 

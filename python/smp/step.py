@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from smp import core
+from smp import auto_resume, core
 from smp.nested import same_sequence
 
 __all__ = []
@@ -155,6 +155,9 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
         if model is None:
             raise RuntimeError("smp.step: no smp.DistributedModel exists; wrap the model "
                                "before calling a step function")
+        skip, outputs = auto_resume.before_step()
+        if skip:
+            return outputs  # fast-forwarded (Note [Automatic resume])
         num_mb = core.state.cfg.microbatches
         try:
             mb_inputs = split_arguments(sig, args, kwargs, num_mb, non_split_inputs,
@@ -169,6 +172,7 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
         # Names the first step's agreement collectives in errors (Note [Naming the call]).
         with core.api_call(core.STEP_CALL):
             per_mb = model._run_step(fn, mb_inputs, input_error)
+        auto_resume.after_step(per_mb)
         return collect_outputs(per_mb, detach_outputs)
 
     wrapper.smp_step = True

@@ -96,4 +96,28 @@ void Reducer::use_torch_initial_layout() {
   im.build_buckets(std::move(fresh));
 }
 
+void Reducer::adopt_layout(std::vector<std::vector<int64_t>> layout) {
+  auto& im = *impl_;
+  std::lock_guard<std::mutex> lock(im.mu);
+  if (im.started) throw std::logic_error("smp: adopt_layout must be called before the first step");
+  std::vector<int64_t> all;
+  for (const auto& b : layout) {
+    if (b.empty()) throw std::invalid_argument("smp: a saved bucket layout has an empty bucket");
+    all.insert(all.end(), b.begin(), b.end());
+  }
+  std::sort(all.begin(), all.end());
+  bool every_once = all.size() == im.params.size();
+  for (size_t i = 0; every_once && i < all.size(); ++i) every_once = all[i] == static_cast<int64_t>(i);
+  if (!every_once)
+    throw std::invalid_argument(str_cat("smp: the saved bucket layout does not hold each of this "
+                                        "reducer's ", im.params.size(), " parameters exactly once "
+                                        "(saved by another model?)"));
+  im.rebuild_pending = false;
+  im.recording = false;
+  im.rebuilt = true;
+  if (layout == im.layout) return;
+  if (im.arena) im.make_arena(layout);  // collective, as in apply_order()
+  im.build_buckets(std::move(layout));
+}
+
 }  // namespace smp

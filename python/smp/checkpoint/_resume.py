@@ -3,7 +3,7 @@ smp.save files (model, optimizer, user content) and a `newest` file naming the t
 import os
 import shutil
 
-from smp import _C, core
+from smp import _C, auto_resume, core
 from smp.checkpoint._api import load, save
 from smp.checkpoint._common import CheckpointError, check_bool, check_path
 
@@ -41,6 +41,8 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
             not isinstance(num_kept_partial_checkpoints, int) or num_kept_partial_checkpoints < 1):
         raise ValueError("smp.save_checkpoint: num_kept_partial_checkpoints="
                          f"{num_kept_partial_checkpoints!r} is not None or an integer >= 1")
+    if auto_resume.skip_save(path, tag):
+        return  # a save the fast-forward replays (Note [Automatic resume])
     model = model if model is not None else core.state.model
     optimizer = optimizer if optimizer is not None else core.state.optimizer
     if core.is_initialized() and core.rank() == 0:
@@ -56,6 +58,7 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
             save(optimizer.local_state_dict(), os.path.join(d, "optimizer"), partial=True)
         save({"user_content": user_content, "tag": tag}, os.path.join(d, "user_content"),
              partial=True)
+        auto_resume.save_progress(path, tag, partial=True)
         if core.is_initialized():
             core.barrier()
         if not core.is_initialized() or core.rank() == 0:
@@ -74,8 +77,16 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
             save(osd, os.path.join(path, f"{tag}.optimizer"), partial=False)
         save({"user_content": user_content, "tag": tag},
              os.path.join(path, f"user_content_{tag}"), partial=False)
+    auto_resume.save_progress(path, tag, partial=False)
     if core.is_initialized():
         core.barrier()
+    # The job's checkpoint directory names its newest full save too, after every part
+    # is written (Note [Automatic resume]); elsewhere full saves keep SMP's layout.
+    if auto_resume.is_job_dir(path):
+        if not core.is_initialized() or core.rank() == 0:
+            _C.checkpoint_write_file_atomic(os.path.join(path, _NEWEST), tag.encode())
+        if core.is_initialized():
+            core.barrier()
 
 
 def _prune(path, keep):

@@ -75,6 +75,9 @@ TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_EQ(error_of(R"({"pipeline_order": "static"})"),
             "smp: config 'pipeline_order'='static' is not one of {dynamic, planned}");
   EXPECT_EQ(Config::from_json(R"({"pipeline_order": "planned"})").pipeline_order, "planned");
+  EXPECT_EQ(error_of(R"({"checkpoint_dir": 3})"), "smp: config 'checkpoint_dir'=3 is not a string");
+  EXPECT_EQ(Config::from_json(R"({"checkpoint_dir": "/ckpt"})").checkpoint_dir, "/ckpt");
+  EXPECT_EQ(Config().checkpoint_dir, "");
   EXPECT_EQ(error_of(R"({"pipeline": "zero_bubble"})"),
             "smp: config 'pipeline'='zero_bubble' is not executable yet: smp plans it "
             "(smp._C.Plan) but does not split a backward into input- and weight-gradient "

@@ -349,6 +349,7 @@ void Reducer::Impl::launch_ready_locked() {
   // After the buckets, in the same queue: the used bitmap (every step, Note [Used
   // bitmap]) and the first step's gradient order. Every gradient is final by now.
   bitmap_slots.pack_step(bitmap.data_ptr<int32_t>(), used, stale);
+  if (abandoning) bitmap_slots.mark_failed(bitmap.data_ptr<int32_t>(), rank);
   bitmap_ticket = submit_bitmap_locked(str_cat("the used-parameter allreduce on ", group,
                                                " in step ", steps_done->load() + 1));
   if (rebuild_pending) submit_order_locked();

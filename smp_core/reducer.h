@@ -153,6 +153,15 @@ class Reducer {
   // for it until the timeout. Call where the step's reduction would have been.
   void fail_step();
 
+  // The step failed after the reducer was armed (prepare_for_backward(sync=true) or
+  // prepare_for_pipeline_backward): an exception during or after backward. Launches
+  // what is left of the step's collectives, with this rank's failed slot set, and waits
+  // for them, so that every other rank raises CommError in finalize() naming this rank
+  // instead of waiting for it until the timeout (Note [Failed rank]). Before arming it
+  // is fail_step(). The reducer is unusable afterwards; never throws (the caller raises
+  // its own error).
+  void abandon_step();
+
   // Join with divide_by_initial_world_size=False: the default hook divides the next
   // synchronized steps' gradients by `n` (the ranks still training) instead of the
   // group size; 0 restores the group size. Custom hooks divide as they choose (as in

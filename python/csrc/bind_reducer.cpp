@@ -499,6 +499,7 @@ void bind_reducer(py::module_& m) {
       .def("finalize", [](Reducer& r) { r.finalize(); }, release())
       .def("run_shadow_step", &Reducer::run_shadow_step, release())
       .def("fail_step", &Reducer::fail_step, release())
+      .def("abandon_step", &Reducer::abandon_step, release())
       .def("set_active_ranks", &Reducer::set_active_ranks, py::arg("n"))
       .def("steps_run", &Reducer::steps_run)
       .def("register_comm_hook", [](Reducer& r, const py::object& state, const py::object& hook) {

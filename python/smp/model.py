@@ -195,11 +195,16 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         results = []
         self._in_step = True
         try:
-            for mb, (args, kwargs) in enumerate(mb_inputs):
-                core.state.microbatch = mb
-                self._sync_backward = sync_step and mb == len(mb_inputs) - 1
-                self._record_first_use(mb)
-                results.append(fn(*args, **kwargs))
+            try:
+                for mb, (args, kwargs) in enumerate(mb_inputs):
+                    core.state.microbatch = mb
+                    self._sync_backward = sync_step and mb == len(mb_inputs) - 1
+                    self._record_first_use(mb)
+                    results.append(fn(*args, **kwargs))
+            except BaseException:
+                if joining is None:  # (inside Join, its own protocol ends the step)
+                    self._fail_reduction(sync_step)
+                raise
             if self._synced_this_step:
                 self._reducer.finalize()
             if joining is not None:
@@ -209,6 +214,18 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
             self._stop_recording()
         self._run_post_step_hooks()
         return results
+
+    def _fail_reduction(self, sync_step):
+        """The step body raised (pp=1): the dp replicas are told in the step's own
+        collectives, and raise naming this rank, instead of waiting for it (Note [Failed
+        rank] in smp_core/detail/reducer_shadow.cpp). A step that does not reduce has no
+        collectives to tell them in."""
+        if not (sync_step and self._dp_reduce and self._reducer is not None):
+            return
+        if self._synced_this_step:  # armed: backward had begun
+            self._reducer.abandon_step()
+        else:
+            self._reducer.fail_step()
 
     def _partition(self, fn, mb_inputs, input_error=None):
         """First step: trace and partition (pp > 1), then sync the dp replicas."""

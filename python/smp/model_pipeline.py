@@ -87,11 +87,16 @@ class PipelineMixin:
                 results, backward = self._engine.run_step(fn, mb_inputs)
             except BaseException:
                 self._tied.restore_grads()
-                if reduce and self._arm_reducer:
-                    # Not armed yet, so idle: tell the other replicas (Note [Failed
-                    # rank]) rather than leave them waiting in their reduction.
-                    self._arm_reducer = False
-                    self._reducer.fail_step()
+                if reduce:
+                    # Tell the other replicas (Note [Failed rank]) rather than leave them
+                    # waiting in their reduction: not armed yet, a flagged shadow step;
+                    # armed (backward had begun here), the rest of the step, flagged.
+                    with self._arm_lock:
+                        armed, self._arm_reducer = not self._arm_reducer, False
+                    if armed:
+                        self._reducer.abandon_step()
+                    else:
+                        self._reducer.fail_step()
                 raise
             if backward:
                 self._tied.sum_grads()

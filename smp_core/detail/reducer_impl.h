@@ -132,6 +132,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   // Pipeline steps (Note [Pipeline overlap]).
   bool pipeline = false;                  // this sync step is a pipeline step
   bool finalizing = false;                // finalize() has begun (the tail may launch)
+  bool abandoning = false;                // abandon_step(): the tail carries our failed slot
   std::vector<int64_t> fires;             // accumulator fires this step
   std::vector<int64_t> expected_fires;    // fires of the last pipeline step (empty: none)
   std::vector<char> hold;                 // ready only in finalize (tied weights)
@@ -191,6 +192,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
 
   // detail/reducer_shadow.cpp: join's shadow step, and a failed step.
   void shadow_step(bool failed = false);
+  void abandon_step();
 
   // Throws CommError if the summed bitmap names a rank that failed its step (Note
   // [Failed rank] in detail/reducer_shadow.cpp).

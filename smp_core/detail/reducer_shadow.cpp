@@ -71,7 +71,57 @@ void Reducer::Impl::check_failed_ranks() const {
                           "of the group stops here"));
 }
 
+// Note [Failed rank], after arming: the buckets this rank launched carried its real
+// gradients; the rest go now with what they hold, and the used bitmap that ends the step
+// carries this rank's failed slot, so every peer's finalize() raises naming it. If the
+// bitmap went already (every gradient was ready: the failure came after backward), the
+// peers' step is whole and completes; this rank only waits for it.
+void Reducer::Impl::abandon_step() {
+  std::unique_lock<std::mutex> lock(mu);
+  if (!broken.empty()) return;  // a failed collective: the peers hear of it themselves
+  if (phase == Phase::kIdle) {
+    lock.unlock();
+    try {
+      shadow_step(/*failed=*/true);
+    } catch (const std::exception&) {
+    }
+    return;
+  }
+  const int64_t step = steps_done->load() + 1;
+  try {
+    finalizing = true;
+    abandoning = true;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!ready[i]) mark_ready_locked(static_cast<int64_t>(i));
+    launch_ready_locked();
+    auto waits = tickets;
+    auto bitmap_t = bitmap_ticket, order_t = order_ticket;
+    lock.unlock();
+    for (size_t b = 0; b < waits.size(); ++b)
+      if (waits[b]) queue->wait(waits[b], opts.timeout_s + 1.0);
+    if (bitmap_t) queue->wait(bitmap_t, opts.timeout_s + 1.0);
+    if (order_t) queue->wait(order_t, opts.timeout_s + 1.0);
+    lock.lock();
+    if (bitmap_slots.late_fires(bitmap.data_ptr<int32_t>()) > 0) {  // the others redo
+      for (size_t b = 0; b < buckets.size(); ++b) launch_locked(b, true);
+      auto again = tickets;
+      lock.unlock();
+      for (size_t b = 0; b < buckets.size(); ++b) queue->wait(again[b], opts.timeout_s + 1.0);
+      lock.lock();
+    }
+  } catch (const std::exception&) {
+    if (!lock.owns_lock()) lock.lock();
+  }
+  std::fill(runs.begin(), runs.end(), nullptr);
+  abandoning = false;
+  broken = str_cat("smp: this rank abandoned step ", step, " of ", group,
+                   " after an error (raised there)");
+  phase = Phase::kIdle;
+  ++*steps_done;
+}
+
 void Reducer::run_shadow_step() { impl_->shadow_step(); }
 void Reducer::fail_step() { impl_->shadow_step(/*failed=*/true); }
+void Reducer::abandon_step() { impl_->abandon_step(); }
 
 }  // namespace smp

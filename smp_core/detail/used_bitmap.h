@@ -43,6 +43,8 @@ class UsedBitmap {
   void pack_step(int32_t* slots, const std::vector<char>& used, int64_t late_fires) const;
   // A shadow step's contribution: zeros, and this rank's failed slot if `failed`.
   void pack_shadow(int32_t* slots, int rank, bool failed) const;
+  // Sets this rank's failed slot in a packed contribution (a step abandoned mid-way).
+  void mark_failed(int32_t* slots, int rank) const { slots[failed_slot(rank)] = 1; }
 
   // Read after the sum over the group.
   int32_t used_count(const int32_t* slots, size_t param) const { return slots[used_slot(param)]; }

@@ -402,3 +402,79 @@ def test_gpt_example_through_smprun(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "== plain module in one process" in out.stdout, out.stdout[-2000:]
     assert sorted(os.listdir(tmp_path)) == ["newest", "step2_partial"], os.listdir(tmp_path)
+
+
+MID_BACKWARD = r"""
+import json, sys, time
+import torch, torch.nn as nn
+import smp
+opts = json.loads(sys.argv[1])
+smp.init(dict(opts["cfg"], timeout_s=120))
+torch.manual_seed(0)
+# Several buckets, so that some launch before the failure and some after.
+net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())],
+                    nn.Linear(256, 2))
+model = smp.DistributedModel(net, bucket_cap_mb=0.3)
+fail_now = [False]
+
+class Boom(RuntimeError):
+    pass
+
+def explode(grad):
+    if fail_now[0]:
+        raise Boom("boom in backward")
+    return grad
+
+@smp.step
+def train_step(x):
+    out = model(x)
+    loss = out.sum()
+    model.backward(loss)
+    if opts["where"] == "after_backward" and fail_now[0]:
+        raise Boom("boom after backward")
+    return loss
+
+if opts["where"] == "backward":  # mid-backward: a module in the middle of the net
+    model.module[4].register_full_backward_hook(
+        lambda m, gi, go: (_ for _ in ()).throw(Boom("boom in backward")) if fail_now[0] else None)
+
+for step in range(3):
+    fail_now[0] = step == 2 and smp.dp_rank() == 1
+    t = time.monotonic()
+    try:
+        train_step(torch.randn(8, 256))
+        print("STEP", step, "ok", flush=True)
+    except Exception as e:
+        print("STEP", step, type(e).__name__, str(e).splitlines()[0],
+              "after %.1f s" % (time.monotonic() - t), flush=True)
+        if fail_now[0]:
+            time.sleep(8)  # alive: the others must hear of it, not see this process exit
+        break
+"""
+
+
+@pytest.mark.parametrize("where", ["backward", "after_backward"])
+@pytest.mark.parametrize("cfg,world", [
+    ({"ddp": True}, 2),
+    ({"partitions": 2, "microbatches": 2, "ddp": True}, 4),
+], ids=["dp2", "pp2xdp2"])
+def test_a_step_that_fails_after_backward_began_stops_every_replica(ranks, cfg, world, where):
+    # dp rank 1 raises in (or right after) its backward in step 3, with its reducer armed,
+    # and stays alive: the other replica raises the named error at once (Note [Failed
+    # rank]), where it used to wait out timeout_s (120 s here).
+    res = ranks(MID_BACKWARD, world, args=(json.dumps({"cfg": cfg, "where": where}),),
+                timeout=100, check=False)
+    pp = cfg.get("partitions", 1)
+    for rank, r in enumerate(res):
+        lines = [l for l in r.stdout.splitlines() if l.startswith("STEP 2")]
+        assert lines, r
+        line = lines[0]
+        if rank // pp == 1:  # the failing replica ("cluster": its pp ranks are consecutive)
+            assert "Boom" in line or "CommError" in line, r
+        elif pp == 1 and where == "after_backward":
+            # Every gradient had been handed over: the other replica's step was whole.
+            assert line == "STEP 2 ok", r
+        else:
+            assert "CommError" in line and "dp rank(s) 1 of" in line, r
+        if "after" in line:  # well before the failed rank's process exits (8 s)
+            assert float(line.rsplit("after ", 1)[1].split(" s")[0]) < 5, line

@@ -98,6 +98,26 @@ std::string store_get_sealed(const StorePtr& store, const std::string& key) {
   }
 }
 
+void post_failure(const StorePtr& store, const std::string& prefix, int rank, int64_t step,
+                  const std::string& why) {
+  store_set_sealed(store, str_cat(prefix, "/", rank, "/", step), why);
+}
+
+std::string posted_failure(const StorePtr& store, const std::string& prefix,
+                           const std::vector<int>& peers, int64_t step) {
+  for (int q : peers) {
+    const std::string key = str_cat(prefix, "/", q, "/", step);
+    try {
+      if (store->check({key})) return store_get_sealed(store, key);
+    } catch (const CommError&) {
+      throw;  // a forged post: refused, and said
+    } catch (const std::exception&) {
+      return "";  // the store is gone: the wait's own error will say more
+    }
+  }
+  return "";
+}
+
 bool establish_job_key(const StorePtr& store, int rank, int world_size, double timeout_s) {
   std::string secret;
   try {

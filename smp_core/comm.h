@@ -59,6 +59,14 @@ std::string store_get_sealed(const StorePtr& store, const std::string& key);
 // ConfigError for a malformed secret.
 bool establish_job_key(const StorePtr& store, int rank, int world_size, double timeout_s);
 
+// Note [Failed peer] (reducer.cpp): a rank posts why it will not reach its group's
+// reduction of `step` (sealed, key prefix/<rank>/<step>); a waiting peer reads the
+// first such post of `peers` for the step it waits in, "" when there is none.
+void post_failure(const StorePtr& store, const std::string& prefix, int rank, int64_t step,
+                  const std::string& why);
+std::string posted_failure(const StorePtr& store, const std::string& prefix,
+                           const std::vector<int>& peers, int64_t step);
+
 // Store-based all-to-all exchange used before any process group exists: rank posts
 // `value` under `key`/<rank> (sealed) and reads every rank's. On timeout the error
 // names the ranks that never posted; a value that fails authentication, the ranks

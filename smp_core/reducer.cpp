@@ -411,7 +411,7 @@ void Reducer::Impl::launch_locked(size_t b, bool shadow) {
 void Reducer::Impl::await_bucket(size_t b, const CommQueue::TicketPtr& ticket) {
   // Each task bounds its own waits by timeout_s and names what it awaited; the slack
   // lets that message win.
-  queue->wait(ticket, opts.timeout_s + 1.0);
+  wait_ticket(ticket);
   detail::BucketRun& run = *runs[b];
   if (run.result.defined()) return;
   std::string what = bucket_what(b);
@@ -422,6 +422,30 @@ void Reducer::Impl::await_bucket(size_t b, const CommQueue::TicketPtr& ticket) {
     throw;
   } catch (const std::exception& e) {
     throw CommError(str_cat("smp: ", what, " failed: ", e.what()));
+  }
+}
+
+// Note [Failed peer]: a replica whose failure has no collective to travel in (a step
+// that does not reduce, with backward_passes_per_step > 1) posts it to the store under
+// the step its peers will wait in (smp.step's failure path, Reducer::set_peer_probe).
+// A wait here that lasts beyond kProbeEvery_s asks the probe between slices, so the
+// peers raise naming that replica instead of waiting out timeout_s. A wait that ends in
+// time never asks: no cost to a healthy step.
+void Reducer::Impl::wait_ticket(const CommQueue::TicketPtr& t) {
+  const double total = opts.timeout_s + 1.0;
+  if (!peer_probe) return queue->wait(t, total);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(total));
+  while (true) {
+    const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    try {
+      queue->wait(t, std::max(0.0, std::min(kProbeEvery_s, left)));
+      return;
+    } catch (const TimeoutError&) {
+      if (left <= kProbeEvery_s) throw;
+    }
+    const std::string why = peer_probe(steps_done->load() + 1);
+    if (!why.empty()) throw CommError(why);
   }
 }
 
@@ -493,8 +517,8 @@ ReducerStats Reducer::Impl::finalize() {
       st.write_back_ms += ms_since(t1);
     }
     auto t0 = Clock::now();
-    queue->wait(bitmap_t, opts.timeout_s + 1.0);
-    if (order_t) queue->wait(order_t, opts.timeout_s + 1.0);
+    wait_ticket(bitmap_t);
+    if (order_t) wait_ticket(order_t);
     check_failed_ranks();
     st.wait_ms += ms_since(t0);
 
@@ -582,6 +606,11 @@ void Reducer::set_active_ranks(int n) {
 }
 
 int64_t Reducer::steps_run() const { return impl_->steps_done->load(); }
+
+void Reducer::set_peer_probe(std::function<std::string(int64_t)> probe) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->peer_probe = std::move(probe);
+}
 
 std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
   std::lock_guard<std::mutex> lock(impl_->mu);

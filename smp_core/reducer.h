@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -161,6 +162,11 @@ class Reducer {
   // is fail_step(). The reducer is unusable afterwards; never throws (the caller raises
   // its own error).
   void abandon_step();
+
+  // Note [Failed peer] (reducer.cpp): `probe(step)` is asked, from the waiting thread,
+  // each second that a wait of step `step`'s reduction lasts; a non-empty answer (why a
+  // peer will not come) ends the wait with that CommError. Call before the first step.
+  void set_peer_probe(std::function<std::string(int64_t step)> probe);
 
   // Join with divide_by_initial_world_size=False: the default hook divides the next
   // synchronized steps' gradients by `n` (the ranks still training) instead of the

@@ -141,6 +141,11 @@ void bind_core(py::module_& m) {
     return agree_config(store, make_env(rank, world, 0, 1), raw).to_json();
   }, release(), "Exchanges and checks every rank's config; returns the canonical JSON.");
 
+  m.def("post_step_failure", &post_failure, py::arg("store"), py::arg("prefix"), py::arg("rank"),
+        py::arg("step"), py::arg("why"), release(),
+        "Note [Failed peer]: tells the waiting peers of this rank's dp group why it will not "
+        "reach their reduction of `step`.");
+
   m.def("job_secret_from_environment", &auth::job_key_from_environment,
         "Whether this job's key came from SMP_JOB_SECRET (Note [Job secret]); false: rank 0 "
         "drew it and shared it through the store.");

@@ -7,6 +7,7 @@
 // run_shadow_step, broadcast_coalesced, destruction) releases the GIL.
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <pybind11/stl.h>
 
@@ -500,6 +501,18 @@ void bind_reducer(py::module_& m) {
       .def("run_shadow_step", &Reducer::run_shadow_step, release())
       .def("fail_step", &Reducer::fail_step, release())
       .def("abandon_step", &Reducer::abandon_step, release())
+      .def("watch_peer_failures",
+           [](Reducer& r, const StorePtr& store, const std::string& prefix, std::vector<int> peers) {
+             r.set_peer_probe([store, prefix, peers](int64_t step) {
+               const std::string why = posted_failure(store, prefix, peers, step);
+               return why.empty() ? why
+                                  : str_cat("smp: ", why, "; every rank of the dp group stops "
+                                            "here instead of waiting for it");
+             });
+           },
+           py::arg("store"), py::arg("prefix"), py::arg("peers"),
+           "Note [Failed peer]: long waits of a reduction ask the store whether one of "
+           "`peers` (global ranks) posted that it will not come.")
       .def("set_active_ranks", &Reducer::set_active_ranks, py::arg("n"))
       .def("steps_run", &Reducer::steps_run)
       .def("register_comm_hook", [](Reducer& r, const py::object& state, const py::object& hook) {

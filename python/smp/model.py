@@ -35,6 +35,10 @@ def _check_arg(name, value, ok, allowed):
         raise ValueError(f"smp.DistributedModel: argument '{name}'={value!r} is not {allowed}")
 
 
+# Note [Failed peer] (smp_core/reducer.cpp): store keys <prefix>/<rank>/<step>.
+_FAILED_PEER_PREFIX = "smp/failed_peer"
+
+
 class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn.Module,
                        _join.Joinable):
     """Wraps `module` for model parallelism (partitions) and data parallelism (ddp).
@@ -173,8 +177,10 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                 # [Failed rank] in smp_core/detail/reducer_shadow.cpp): they raise too,
                 # naming this rank.
                 sync = (self._steps + 1) % self.backward_passes_per_step == 0
-                if self._dp_reduce and self._reducer is not None and sync:
+                if self._dp_reduce and sync and self._reducer is not None:
                     self._reducer.fail_step()
+                elif self._dp_reduce and not sync and core.dp_size() > 1:
+                    self._post_failure(input_error)  # Note [Failed peer]
             if core.pp_size() == 1:
                 raise input_error
             if core.pp_rank() == 0:  # the driver tells every pp rank, then raises
@@ -201,9 +207,9 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                     self._sync_backward = sync_step and mb == len(mb_inputs) - 1
                     self._record_first_use(mb)
                     results.append(fn(*args, **kwargs))
-            except BaseException:
+            except BaseException as e:
                 if joining is None:  # (inside Join, its own protocol ends the step)
-                    self._fail_reduction(sync_step)
+                    self._fail_reduction(sync_step, e)
                 raise
             if self._synced_this_step:
                 self._reducer.finalize()
@@ -215,17 +221,34 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         self._run_post_step_hooks()
         return results
 
-    def _fail_reduction(self, sync_step):
+    def _fail_reduction(self, sync_step, error=None):
         """The step body raised (pp=1): the dp replicas are told in the step's own
         collectives, and raise naming this rank, instead of waiting for it (Note [Failed
         rank] in smp_core/detail/reducer_shadow.cpp). A step that does not reduce has no
-        collectives to tell them in."""
-        if not (sync_step and self._dp_reduce and self._reducer is not None):
+        collectives to tell them in: it posts the failure for the step they will wait in
+        (Note [Failed peer])."""
+        if not (self._dp_reduce and core.dp_size() > 1):
             return
-        if self._synced_this_step:  # armed: backward had begun
+        if not sync_step:
+            self._post_failure(error)
+        elif self._reducer is None:
+            return  # (the first step's agreement fails every rank together)
+        elif self._synced_this_step:  # armed: backward had begun
             self._reducer.abandon_step()
         else:
             self._reducer.fail_step()
+
+    def _post_failure(self, error):
+        """Note [Failed peer]: this replica will not reach the next reduction."""
+        step = self._reducer.steps_run() + 1 if self._reducer is not None else 1
+        what = str(error).splitlines()[0] if error is not None else "an error"
+        try:
+            _C.post_step_failure(
+                core.state.store, _FAILED_PEER_PREFIX, core.rank(), step,
+                f"dp rank {core.dp_rank()} (rank {core.rank()}) failed a step that does not "
+                f"reduce and will not reach reduction {step} ({type(error).__name__}: {what})")
+        except Exception:  # the store is gone: the peers' own wait says more
+            pass
 
     def _partition(self, fn, mb_inputs, input_error=None):
         """First step: trace and partition (pp > 1), then sync the dp replicas."""
@@ -294,6 +317,9 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
             _install(self._reducer, *self._comm_hook)
         from smp import auto_resume
         auto_resume.adopt_layout(self._reducer)  # a resumed job's buckets, if any
+        # Note [Failed peer]: a replica that fails a step with no reduction posts it.
+        dp_peers = [r for r in core.get_dp_group() if r != core.rank()]
+        self._reducer.watch_peer_failures(core.state.store, _FAILED_PEER_PREFIX, dp_peers)
 
     def backward(self, tensors, grad_tensors=None):
         """Backward across partitions (replaces loss.backward() inside @smp.step).

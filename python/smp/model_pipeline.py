@@ -85,7 +85,7 @@ class PipelineMixin:
             self._tied.begin_step()
             try:
                 results, backward = self._engine.run_step(fn, mb_inputs)
-            except BaseException:
+            except BaseException as exc:
                 self._tied.restore_grads()
                 if reduce:
                     # Tell the other replicas (Note [Failed rank]) rather than leave them
@@ -97,6 +97,8 @@ class PipelineMixin:
                         self._reducer.abandon_step()
                     else:
                         self._reducer.fail_step()
+                elif self._dp_reduce and core.dp_size() > 1:
+                    self._post_failure(exc)  # no reduction to tell them in (Note [Failed peer])
                 raise
             if backward:
                 self._tied.sum_grads()

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -112,6 +113,10 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   Phase phase = Phase::kIdle;
   bool started = false;
   std::string broken;  // first failure; the reducer refuses further steps
+  // Note [Failed peer]: asked during a wait longer than kProbeEvery_s, with the step
+  // being reduced; "" or why a peer will never reach it (set_peer_probe).
+  std::function<std::string(int64_t)> peer_probe;
+  static constexpr double kProbeEvery_s = 1.0;
 
   // The step in flight.
   at::Tensor scale;  // wrapped-number scalar of the copy-in factor
@@ -193,6 +198,8 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   // detail/reducer_shadow.cpp: join's shadow step, and a failed step.
   void shadow_step(bool failed = false);
   void abandon_step();
+  // queue->wait(t, timeout_s + 1), asking peer_probe between slices (Note [Failed peer]).
+  void wait_ticket(const CommQueue::TicketPtr& t);
 
   // Throws CommError if the summed bitmap names a rank that failed its step (Note
   // [Failed rank] in detail/reducer_shadow.cpp).

@@ -56,7 +56,7 @@ void Reducer::Impl::finalize_pipeline(std::unique_lock<std::mutex>& lock,
                                       const CommQueue::TicketPtr& bitmap_t, ReducerStats& st) {
   auto t0 = Clock::now();
   for (size_t b = 0; b < waits.size(); ++b) await_bucket(b, waits[b]);
-  queue->wait(bitmap_t, opts.timeout_s + 1.0);
+  wait_ticket(bitmap_t);
   check_failed_ranks();
   if (bitmap_slots.late_fires(bitmap.data_ptr<int32_t>()) > 0) {
     lock.lock();

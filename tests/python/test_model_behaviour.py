@@ -478,3 +478,62 @@ def test_a_step_that_fails_after_backward_began_stops_every_replica(ranks, cfg, 
             assert "CommError" in line and "dp rank(s) 1 of" in line, r
         if "after" in line:  # well before the failed rank's process exits (8 s)
             assert float(line.rsplit("after ", 1)[1].split(" s")[0]) < 5, line
+
+
+ACCUMULATING = r"""
+import json, sys, time
+import torch, torch.nn as nn
+import smp
+opts = json.loads(sys.argv[1])
+smp.init(dict(opts["cfg"], timeout_s=120))
+torch.manual_seed(0)
+model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
+                             backward_passes_per_step=2)
+
+@smp.step
+def train_step(x):
+    out = model(x)
+    if opts["how"] == "forward" and x.shape[0] == 3:
+        raise RuntimeError("boom in forward")
+    model.backward(out.sum())
+    return out
+
+mb = smp.num_microbatches()
+for step in range(6):
+    bad = step == 2 and smp.dp_rank() == 1  # step 3: accumulates, does not reduce
+    x = torch.randn(3 if opts["how"] == "forward" else mb - 1, 8) if bad else torch.randn(4, 8)
+    t = time.monotonic()
+    try:
+        train_step(x)
+        print("STEP", step, "ok", flush=True)
+    except Exception as e:
+        print("STEP", step, type(e).__name__, str(e).splitlines()[0],
+              "after %.1f s" % (time.monotonic() - t), flush=True)
+        if bad:
+            time.sleep(8)  # alive: the others must hear of it, not see this process exit
+        break
+"""
+
+
+@pytest.mark.parametrize("how", ["bad_batch", "forward"])
+@pytest.mark.parametrize("cfg,world", [
+    ({"ddp": True, "microbatches": 2}, 2),
+    ({"partitions": 2, "microbatches": 2, "ddp": True}, 4),
+], ids=["dp2", "pp2xdp2"])
+def test_a_failure_in_a_step_that_does_not_reduce_is_named_in_the_next_one(ranks, cfg, world,
+                                                                           how):
+    # backward_passes_per_step=2: step 3 only accumulates. dp rank 1 fails it and stays
+    # alive; the other replica's step 3 completes, and its step 4 (which reduces) raises
+    # naming dp rank 1 within a few seconds (Note [Failed peer]) instead of timing out.
+    res = ranks(ACCUMULATING, world, args=(json.dumps({"cfg": cfg, "how": how}),),
+                timeout=100, check=False)
+    pp = cfg.get("partitions", 1)
+    for rank, r in enumerate(res):
+        if rank // pp == 1:
+            assert "STEP 2 " in r.stdout and "STEP 2 ok" not in r.stdout, r
+            continue
+        assert "STEP 2 ok" in r.stdout, r
+        line = [l for l in r.stdout.splitlines() if l.startswith("STEP 3")][0]
+        assert line.startswith("STEP 3 CommError smp: dp rank 1 (rank "), r
+        assert "failed a step that does not reduce and will not reach reduction" in line, r
+        assert float(line.rsplit("after ", 1)[1].split(" s")[0]) < 5, line

@@ -99,9 +99,9 @@ def test_a_node_with_another_secret_is_refused_and_named(tmp_path, launchers):
                   "n0")
     launchers.append(n0)
     wait_listening(port + 1)
-    rc, out, err, elapsed = run(node_args(1, port) + [SCRIPTS / "env_dump.py"],
+    rc, out, err, _ = run(node_args(1, port) + [SCRIPTS / "env_dump.py"],
                                 env=clean_env(SMP_JOB_SECRET="cd" * 32))
-    assert rc == 1 and elapsed < 10, err
+    assert rc == 1, err  # (run() bounds it: no hang)
     assert "node 0 at 127.0.0.1:" in err and "failed authentication" in err, err
     assert "same SMP_JOB_SECRET or --secret_file" in err
     assert n0.wait() == 1

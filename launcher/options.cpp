@@ -1,9 +1,6 @@
 #include "launcher/options.h"
 
 #include <sys/stat.h>
-
-#include <cerrno>
-#include <cstring>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -153,29 +150,22 @@ std::string resolve_program(const std::string& program, const EnvMap& env,
 
 // Note [Job secret] (smp_core/detail/auth.h): where the job's secret comes from.
 std::string resolve_secret(const std::string& secret_file, const EnvMap& env, LaunchOptions* o) {
-  std::string file = secret_file, where = "--secret_file";
   auto get = [&](const char* key) {
     auto it = env.find(key);
     return it == env.end() ? std::string() : it->second;
   };
-  if (file.empty() && !get(auth::kSecretEnv).empty()) {
-    o->secret = get(auth::kSecretEnv);
-    where = auth::kSecretEnv;
-  } else {
-    if (file.empty()) {
-      file = get(auth::kSecretFileEnv);
-      where = auth::kSecretFileEnv;
+  try {
+    if (!secret_file.empty()) {
+      o->secret = auth::secret_from_file(secret_file, "--secret_file");
+    } else if (!get(auth::kSecretEnv).empty()) {
+      o->secret = get(auth::kSecretEnv);
+      auth::key_from_secret(o->secret, auth::kSecretEnv);  // validates
+    } else if (!get(auth::kSecretFileEnv).empty()) {
+      o->secret = auth::secret_from_file(get(auth::kSecretFileEnv), auth::kSecretFileEnv);
     }
-    if (!file.empty()) {
-      std::ifstream in(file);
-      if (!in) return where + " '" + file + "' cannot be read: " + std::strerror(errno);
-      std::stringstream text;
-      text << in.rdbuf();
-      o->secret = text.str();
-      o->secret.erase(o->secret.find_last_not_of(" \t\r\n") + 1);
-      o->secret.erase(0, o->secret.find_first_not_of(" \t\r\n"));
-      where += " '" + file + "'";
-    }
+  } catch (const std::invalid_argument& e) {
+    std::string what = e.what();
+    return what.rfind("smp: ", 0) == 0 ? what.substr(5) : what;
   }
   if (o->secret.empty()) {
     if (o->nnodes > 1)
@@ -184,13 +174,6 @@ std::string resolve_secret(const std::string& secret_file, const EnvMap& env, La
              "node, or pass --secret_file PATH on a file system they share";
     o->secret = auth::to_hex(auth::random_bytes(auth::kKeyBytes));
     o->secret_drawn = true;
-    return "";
-  }
-  try {
-    auth::key_from_secret(o->secret, where);
-  } catch (const std::invalid_argument& e) {
-    std::string what = e.what();
-    return what.rfind("smp: ", 0) == 0 ? what.substr(5) : what;
   }
   return "";
 }

@@ -79,10 +79,6 @@ def is_job_dir(path):
     return bool(ckpt) and os.path.abspath(path) == os.path.abspath(ckpt)
 
 
-def fast_forwarding():
-    return _s.target is not None
-
-
 # ---- saving ----------------------------------------------------------------------
 
 def _random_states():
@@ -104,7 +100,7 @@ def _shape_of(value):
     """What a step output looks like, without its data (tensors become their metadata)."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, (list, tuple)) and not isinstance(value, str):
+    if isinstance(value, (list, tuple)):
         return (type(value).__name__, [_shape_of(v) for v in value])
     if isinstance(value, dict):
         return ("dict", [(k, _shape_of(v)) for k, v in value.items()])

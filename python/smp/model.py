@@ -177,10 +177,7 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                 # [Failed rank] in smp_core/detail/reducer_shadow.cpp): they raise too,
                 # naming this rank.
                 sync = (self._steps + 1) % self.backward_passes_per_step == 0
-                if self._dp_reduce and sync and self._reducer is not None:
-                    self._reducer.fail_step()
-                elif self._dp_reduce and not sync and core.dp_size() > 1:
-                    self._post_failure(input_error)  # Note [Failed peer]
+                self._fail_reduction(sync, input_error, armed=False)
             if core.pp_size() == 1:
                 raise input_error
             if core.pp_rank() == 0:  # the driver tells every pp rank, then raises
@@ -209,7 +206,7 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                     results.append(fn(*args, **kwargs))
             except BaseException as e:
                 if joining is None:  # (inside Join, its own protocol ends the step)
-                    self._fail_reduction(sync_step, e)
+                    self._fail_reduction(sync_step, e, armed=self._synced_this_step)
                 raise
             if self._synced_this_step:
                 self._reducer.finalize()
@@ -221,19 +218,21 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         self._run_post_step_hooks()
         return results
 
-    def _fail_reduction(self, sync_step, error=None):
-        """The step body raised (pp=1): the dp replicas are told in the step's own
-        collectives, and raise naming this rank, instead of waiting for it (Note [Failed
-        rank] in smp_core/detail/reducer_shadow.cpp). A step that does not reduce has no
-        collectives to tell them in: it posts the failure for the step they will wait in
-        (Note [Failed peer])."""
-        if not (self._dp_reduce and core.dp_size() > 1):
+    def _fail_reduction(self, sync_step, error, armed):
+        """This rank's step failed (a bad input, or its body raised; pp=1 and pp>1): the
+        dp replicas are told in the step's own collectives, and raise naming this rank,
+        instead of waiting for it (Note [Failed rank] in
+        smp_core/detail/reducer_shadow.cpp): a flagged shadow step, or, once the reducer
+        was `armed` (backward had begun), the rest of the step, flagged. A step that does
+        not reduce has no collectives to tell them in: it posts the failure for the step
+        they will wait in (Note [Failed peer])."""
+        if not self._dp_reduce:
             return
         if not sync_step:
             self._post_failure(error)
         elif self._reducer is None:
             return  # (the first step's agreement fails every rank together)
-        elif self._synced_this_step:  # armed: backward had begun
+        elif armed:
             self._reducer.abandon_step()
         else:
             self._reducer.fail_step()

@@ -87,18 +87,11 @@ class PipelineMixin:
                 results, backward = self._engine.run_step(fn, mb_inputs)
             except BaseException as exc:
                 self._tied.restore_grads()
-                if reduce:
-                    # Tell the other replicas (Note [Failed rank]) rather than leave them
-                    # waiting in their reduction: not armed yet, a flagged shadow step;
-                    # armed (backward had begun here), the rest of the step, flagged.
-                    with self._arm_lock:
-                        armed, self._arm_reducer = not self._arm_reducer, False
-                    if armed:
-                        self._reducer.abandon_step()
-                    else:
-                        self._reducer.fail_step()
-                elif self._dp_reduce and core.dp_size() > 1:
-                    self._post_failure(exc)  # no reduction to tell them in (Note [Failed peer])
+                # Tell the other replicas rather than leave them waiting in their
+                # reduction. Armed: this rank's backward work had begun.
+                with self._arm_lock:
+                    armed, self._arm_reducer = reduce and not self._arm_reducer, False
+                self._fail_reduction(sync_step, exc, armed)
                 raise
             if backward:
                 self._tied.sum_grads()

@@ -147,6 +147,18 @@ Key key_from_secret(const std::string& text, const std::string& where) {
   return key;
 }
 
+std::string secret_from_file(const std::string& path, const std::string& where) {
+  std::ifstream in(path);
+  if (!in)
+    throw std::invalid_argument("smp: " + where + " '" + path + "' cannot be read: " +
+                                std::strerror(errno));
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string secret = trim(text.str());
+  key_from_secret(secret, where + " '" + path + "'");  // validates
+  return secret;
+}
+
 std::string secret_from_env() {
   const char* value = std::getenv(kSecretEnv);
   if (value && *value) {
@@ -154,16 +166,7 @@ std::string secret_from_env() {
     return value;
   }
   const char* file = std::getenv(kSecretFileEnv);
-  if (!file || !*file) return "";
-  std::ifstream in(file);
-  if (!in)
-    throw std::invalid_argument(std::string("smp: ") + kSecretFileEnv + "='" + file +
-                                "' cannot be read: " + std::strerror(errno));
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::string secret = trim(text.str());
-  key_from_secret(secret, std::string("the secret file '") + file + "'");
-  return secret;
+  return file && *file ? secret_from_file(file, kSecretFileEnv) : "";
 }
 
 std::string mac(const Key& key, const std::string& label, const std::string& data) {

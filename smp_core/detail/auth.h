@@ -40,6 +40,11 @@ std::string to_hex(const std::string& bytes);
 // a key. Throws std::invalid_argument naming `where` and what is wrong.
 Key key_from_secret(const std::string& text, const std::string& where);
 
+// The secret held by the file `path` (surrounding whitespace dropped), checked as
+// key_from_secret does. Throws std::invalid_argument naming `where` (the flag or
+// variable that named the file) and `path` when it is unreadable or malformed.
+std::string secret_from_file(const std::string& path, const std::string& where);
+
 // The secret of this process's environment: SMP_JOB_SECRET, else the file named by
 // SMP_JOB_SECRET_FILE, else "" (none). Throws std::invalid_argument if the file is
 // unreadable or the value malformed.

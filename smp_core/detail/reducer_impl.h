@@ -198,6 +198,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   // detail/reducer_shadow.cpp: join's shadow step, and a failed step.
   void shadow_step(bool failed = false);
   void abandon_step();
+  void redo_if_late(std::unique_lock<std::mutex>& lock);
   // queue->wait(t, timeout_s + 1), asking peer_probe between slices (Note [Failed peer]).
   void wait_ticket(const CommQueue::TicketPtr& t);
 

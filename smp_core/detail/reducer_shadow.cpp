@@ -9,6 +9,18 @@
 
 namespace smp {
 
+// After a shadow or abandoned step's bitmap (held under `lock`): if a rank saw a late
+// fire, the ranks still training reduce every bucket again (Note [Pipeline overlap]),
+// and this rank joins them with what its buckets hold.
+void Reducer::Impl::redo_if_late(std::unique_lock<std::mutex>& lock) {
+  if (bitmap_slots.late_fires(bitmap.data_ptr<int32_t>()) == 0) return;
+  for (size_t b = 0; b < buckets.size(); ++b) launch_locked(b, true);
+  auto again = tickets;
+  lock.unlock();
+  for (size_t b = 0; b < buckets.size(); ++b) await_bucket(b, again[b]);
+  lock.lock();
+}
+
 void Reducer::Impl::shadow_step(bool failed) {
   std::unique_lock<std::mutex> lock(mu);
   check_usable();
@@ -37,13 +49,7 @@ void Reducer::Impl::shadow_step(bool failed) {
     for (size_t k = buckets.size(); k < waits.size(); ++k) queue->wait(waits[k], opts.timeout_s + 1.0);
     lock.lock();
     if (!failed) check_failed_ranks();
-    if (bitmap_slots.late_fires(bitmap.data_ptr<int32_t>()) > 0) {  // the others redo
-      for (size_t b = 0; b < buckets.size(); ++b) launch_locked(b, true);
-      auto again = tickets;
-      lock.unlock();
-      for (size_t b = 0; b < buckets.size(); ++b) await_bucket(b, again[b]);
-      lock.lock();
-    }
+    redo_if_late(lock);
     std::fill(runs.begin(), runs.end(), nullptr);
     if (rebuild_pending) apply_order();
   } catch (const std::exception& e) {
@@ -102,13 +108,7 @@ void Reducer::Impl::abandon_step() {
     if (bitmap_t) queue->wait(bitmap_t, opts.timeout_s + 1.0);
     if (order_t) queue->wait(order_t, opts.timeout_s + 1.0);
     lock.lock();
-    if (bitmap_slots.late_fires(bitmap.data_ptr<int32_t>()) > 0) {  // the others redo
-      for (size_t b = 0; b < buckets.size(); ++b) launch_locked(b, true);
-      auto again = tickets;
-      lock.unlock();
-      for (size_t b = 0; b < buckets.size(); ++b) queue->wait(again[b], opts.timeout_s + 1.0);
-      lock.lock();
-    }
+    redo_if_late(lock);
   } catch (const std::exception&) {
     if (!lock.owns_lock()) lock.lock();
   }

@@ -11,10 +11,14 @@
 #include <optional>
 #include <set>
 #include <tuple>
+#include <utility>
+
+#include <torch/csrc/autograd/autograd.h>
 
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/autograd_graph.h"
 #include "smp_core/errors.h"
+#include "smp_core/remote_call.h"
 #include "smp_core/task.h"
 #include "smp_core/task_rng.h"
 
@@ -166,6 +170,20 @@ struct Dispatcher::Impl {
   std::vector<std::vector<std::pair<int, bool>>> calls;  // driver: this step's, per mb
   std::vector<int64_t> recorded_path;  // driver: the last training step's, if uniform
   bool nested_seen = false;            // driver: served a request this step
+  // Note [Served backward].
+  struct Kept {
+    std::vector<at::Tensor> inputs, outputs;
+  };
+  std::map<std::tuple<int, int64_t, int64_t>, Kept> kept;  // (src, mb, call id) ->
+  FailureEncoder encode_failure;
+  bool spans_on = false;
+  std::vector<std::tuple<int64_t, double, double>> spans;
+  // Note [Arming at the first backward]: `arm_mu` is held while the arm runs, so a
+  // second task's accumulation waits until the first one's arm is done.
+  std::mutex arm_mu;
+  std::function<void()> arm;
+  std::atomic<bool> arm_done{true};  // no arm pending (the fast path of every gate)
+  bool arm_ran = false;
 
   Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp, ErrorEncoder e)
       : p2p(std::move(p)), schedule(std::move(s)), handler(std::move(h)), spawn(std::move(sp)),
@@ -233,12 +251,17 @@ struct Dispatcher::Impl {
     auto t0 = std::chrono::steady_clock::now();
     if (!installed) task_rng::install(msg.rng);
     Message answer;
-    try {
-      crossed();
-      answer = handler(msg);
-    } catch (const std::exception& e) {
-      answer_error(msg, e.what());
-      throw;
+    std::optional<Kept> mine = msg.kind == kBackwardRequest ? take_kept(msg) : std::nullopt;
+    if (mine) {
+      answer = serve_backward(msg, std::move(*mine));
+    } else {
+      try {
+        crossed();
+        answer = handler(msg);
+      } catch (const std::exception& e) {
+        answer_error(msg, e.what());
+        throw;
+      }
     }
     answer.mb = msg.mb;
     answer.call_id = msg.call_id;
@@ -251,6 +274,105 @@ struct Dispatcher::Impl {
     stats.requests++;
     stats.handler_s += std::chrono::duration<double>(t1 - t0).count();
     stats.send_s += std::chrono::duration<double>(t2 - t1).count();
+  }
+
+  std::optional<Kept> take_kept(const Message& msg) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = kept.find({msg.src, msg.mb, msg.call_id});
+    if (it == kept.end()) return std::nullopt;
+    Kept k = std::move(it->second);
+    kept.erase(it);
+    return k;
+  }
+
+  static double seconds(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(t.time_since_epoch()).count();
+  }
+
+  // Note [Served backward]: the backward of a kept call, in C++ (the token is held).
+  // A failure becomes the caller's kError answer; the rank goes on serving, as with a
+  // module that raised in the handler.
+  Message serve_backward(const Message& msg, Kept k) {
+    Message answer;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      const std::vector<bool> flags =
+          parse_gradient_flags(msg.meta, k.outputs.size(), "a backward request");
+      std::vector<at::Tensor> outs, grads;
+      size_t j = 0;
+      for (size_t i = 0; i < flags.size(); ++i) {
+        if (!flags[i]) continue;
+        if (j >= msg.tensors.size()) break;
+        outs.push_back(k.outputs[i]);
+        grads.push_back(msg.tensors[j++]);
+      }
+      if (j != msg.tensors.size() || outs.size() != grads.size() ||
+          static_cast<size_t>(std::count(flags.begin(), flags.end(), true)) != j)
+        throw CommError(str_cat("smp: pipeline protocol error: a backward request of microbatch ",
+                                msg.mb, " (call ", msg.call_id, ") flags ",
+                                std::count(flags.begin(), flags.end(), true),
+                                " gradients and carries ", msg.tensors.size()));
+      if (!outs.empty()) torch::autograd::backward(outs, grads);
+      std::vector<bool> present;
+      for (const at::Tensor& t : k.inputs) {
+        at::Tensor g = t.defined() && t.requires_grad() ? t.grad() : at::Tensor();
+        present.push_back(g.defined());
+        if (g.defined()) answer.tensors.push_back(std::move(g));
+      }
+      answer.kind = kBackwardResponse;
+      answer.meta = gradient_flags(present);
+    } catch (...) {
+      answer = Message();
+      answer.kind = kError;
+      answer.meta = failure_meta(std::current_exception(), msg.mb);
+    }
+    k = Kept();  // the call's graph goes now, not with the step
+    const auto t1 = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(mu);
+    stats.native_backwards++;
+    stats.backward_s += std::chrono::duration<double>(t1 - t0).count();
+    if (spans_on) spans.emplace_back(msg.mb, seconds(t0), seconds(t1));
+    return answer;
+  }
+
+  std::string failure_meta(std::exception_ptr error, int64_t mb) noexcept {
+    if (encode_failure) {
+      try {
+        return encode_failure(error, mb);
+      } catch (...) {
+      }
+    }
+    std::string text = "unknown error";
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      text = e.what();
+    } catch (...) {
+    }
+    text = str_cat("smp: pp rank ", p2p->rank(), " failed a served backward: ", text);
+    if (encode_error) {
+      try {
+        return encode_error(text);
+      } catch (...) {
+      }
+    }
+    return text;
+  }
+
+  // Note [Arming at the first backward]: runs the step's arm unless it ran.
+  void arm_once() {
+    if (arm_done.load(std::memory_order_acquire)) return;
+    std::lock_guard<std::mutex> lock(arm_mu);
+    if (arm_ran || !arm) return;
+    arm();  // a throw leaves it pending: the step fails, disarm() says it did not run
+    arm_ran = true;
+    arm_done.store(true, std::memory_order_release);
+  }
+
+  void drop_kept() {
+    std::map<std::tuple<int, int64_t, int64_t>, Kept> gone;
+    std::lock_guard<std::mutex> lock(mu);
+    gone.swap(kept);
   }
 
   // Tells the caller of `msg` that running it failed (best effort: it may be gone).
@@ -395,6 +517,7 @@ struct Dispatcher::Impl {
   // whose gradient it is: waits, token given up, until every earlier microbatch's
   // backward work on this rank is over.
   void gate() {
+    arm_once();  // Note [Arming at the first backward]: before this accumulation
     if (!ordering) return;
     const int64_t mb = p2p->token_microbatch();
     if (p2p->rank() == 0) backward_begins(mb);
@@ -645,6 +768,7 @@ void Dispatcher::raise_answer(const Message& answer) const {
 void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_cuda,
                             bool planned) {
   impl_->crossed();
+  impl_->drop_kept();  // an aborted step's calls
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->stats.microbatches += std::max<int64_t>(microbatches, 0);
   impl_->rng_streams = deterministic;
@@ -754,6 +878,7 @@ void Dispatcher::drive(MicrobatchFn run) {
   }
   I.join();
   I.leave_plan_quietly();
+  I.drop_kept();
   if (start_error) std::rethrow_exception(start_error);
   I.rethrow_error();
   I.record_path();
@@ -785,6 +910,7 @@ Message Dispatcher::serve_step() {
     throw;
   }
   I.join();
+  I.drop_kept();
   if (I.ordering && I.end.kind == kStepEnd && !I.error) I.record_units();
   std::lock_guard<std::mutex> lock(I.mu);
   if (I.error) std::rethrow_exception(I.error);  // this rank's own failure: the cause
@@ -851,6 +977,49 @@ void Dispatcher::order_gradients(const std::vector<at::Tensor>& params) {
     acc->add_pre_hook(std::move(hook));
     I.accumulators.push_back(std::move(acc));
   }
+}
+
+void Dispatcher::keep_for_backward(int src, int64_t mb, int64_t call_id,
+                                   std::vector<at::Tensor> inputs,
+                                   std::vector<at::Tensor> outputs) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->kept[{src, mb, call_id}] = Impl::Kept{std::move(inputs), std::move(outputs)};
+}
+
+void Dispatcher::set_failure_encoder(FailureEncoder encode) {
+  impl_->encode_failure = std::move(encode);
+}
+
+void Dispatcher::record_spans(bool on) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->spans_on = on;
+  if (!on) impl_->spans.clear();
+}
+
+std::vector<std::tuple<int64_t, double, double>> Dispatcher::take_spans() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return std::exchange(impl_->spans, {});
+}
+
+void Dispatcher::arm_at_first_backward(std::function<void()> arm) {
+  auto& I = *impl_;
+  std::lock_guard<std::mutex> lock(I.arm_mu);
+  I.arm = std::move(arm);
+  I.arm_ran = false;
+  I.arm_done.store(!I.arm, std::memory_order_release);
+}
+
+void Dispatcher::arm_now() { impl_->arm_once(); }
+
+bool Dispatcher::disarm() {
+  auto& I = *impl_;
+  std::function<void()> gone;
+  std::lock_guard<std::mutex> lock(I.arm_mu);
+  const bool ran = I.arm_ran;
+  gone.swap(I.arm);
+  I.arm_ran = false;
+  I.arm_done.store(true, std::memory_order_release);
+  return ran;
 }
 
 Dispatcher::Stats Dispatcher::stats() const {

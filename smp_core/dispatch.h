@@ -26,9 +26,11 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -130,6 +132,36 @@ class Dispatcher {
   void forward_finished(int64_t mb);
   void wait_all_forwards(int64_t mb);
 
+  // Note [Served backward]: the forward of a request that recorded an autograd graph
+  // leaves the call's input leaves and outputs here (from the handler, before its answer
+  // goes out). The call's kBackwardRequest is then served in C++, with no Python: the
+  // output gradients the request carries (its flags, Note [Remote call node]) go
+  // through torch's autograd engine, and the answer carries the inputs' gradients. A
+  // backward request with nothing kept goes to the handler as before. Kept calls are
+  // dropped at the next begin_step() and when the step's serving or driving ends.
+  void keep_for_backward(int src, int64_t mb, int64_t call_id, std::vector<at::Tensor> inputs,
+                         std::vector<at::Tensor> outputs);
+  // The meta of the kError answer of a served backward of microbatch `mb` that threw
+  // `error` (Python: the pickled exception, kept for Note [One traceback per error]).
+  // Default: the text.
+  using FailureEncoder = std::function<std::string(std::exception_ptr error, int64_t mb)>;
+  void set_failure_encoder(FailureEncoder encode);
+  // With `on`, each served backward's span (microbatch, start and end in seconds of the
+  // steady clock, which is Python's perf_counter clock) is kept until take_spans().
+  void record_spans(bool on);
+  std::vector<std::tuple<int64_t, double, double>> take_spans();
+
+  // Note [Arming at the first backward]: `arm` runs once in the current step, just
+  // before this rank's first gradient accumulation of a parameter given to
+  // order_gradients() (the dp reducer of a synchronized step arms itself there: Note
+  // [Pipeline overlap]), or at arm_now(), whichever comes first. Set it after
+  // begin_step(), before the step's work; begin_step() clears it.
+  void arm_at_first_backward(std::function<void()> arm);
+  // Runs the step's arm now unless it ran (a rank with no backward work of its own).
+  void arm_now();
+  // Takes the step's arm off; returns whether it had run.
+  bool disarm();
+
   // Where a served request's time goes (the compute token is held throughout; compare
   // P2PEngine::Stats::token_held_s).
   struct Stats {
@@ -152,6 +184,10 @@ class Dispatcher {
     // and those of them that left it (their calls differed from the recorded ones).
     int64_t planned_steps = 0;
     int64_t plan_fallbacks = 0;
+    // Note [Served backward]: backward requests served in C++, and the time spent in
+    // torch's autograd engine for them.
+    int64_t native_backwards = 0;
+    double backward_s = 0;
   };
   Stats stats() const;
 

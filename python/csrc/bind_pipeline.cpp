@@ -12,6 +12,7 @@
 #include "smp_core/errors.h"
 #include "smp_core/p2p.h"
 #include "smp_core/plan.h"
+#include "smp_core/reducer.h"
 #include "smp_core/remote_call.h"
 #include "smp_core/scheduler.h"
 
@@ -204,7 +205,9 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("crossings", &Dispatcher::Stats::crossings)
       .def_readonly("microbatches", &Dispatcher::Stats::microbatches)
       .def_readonly("planned_steps", &Dispatcher::Stats::planned_steps)
-      .def_readonly("plan_fallbacks", &Dispatcher::Stats::plan_fallbacks);
+      .def_readonly("plan_fallbacks", &Dispatcher::Stats::plan_fallbacks)
+      .def_readonly("native_backwards", &Dispatcher::Stats::native_backwards)
+      .def_readonly("backward_s", &Dispatcher::Stats::backward_s);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
                        py::function handler, py::function spawn, py::object encode_error,
@@ -218,9 +221,35 @@ void bind_pipeline(py::module_& m) {
                  return call_python<std::string>(e, py::str(what));
                };
              }
+             // Note [Served backward]: a handler may answer (message, inputs, outputs):
+             // the call's input leaves and outputs are kept for its backward, in C++.
+             auto self = std::make_shared<std::weak_ptr<Dispatcher>>();
              auto d = std::make_shared<Dispatcher>(
                  std::move(p2p), schedule,
-                 [h](const Message& msg) { return call_python<Message>(h, msg); },
+                 [h, self](const Message& msg) {
+                   py::gil_scoped_acquire gil;
+                   py::object out;
+                   try {
+                     out = (*h)(msg);
+                     if (!py::isinstance<py::tuple>(out)) return out.cast<Message>();
+                     auto t = out.cast<py::tuple>();
+                     Message answer = t[0].cast<Message>();
+                     auto inputs = t[1].cast<std::vector<at::Tensor>>();
+                     auto outputs = t[2].cast<std::vector<at::Tensor>>();
+                     if (auto dispatcher = self->lock()) {
+                       py::gil_scoped_release nogil;
+                       dispatcher->keep_for_backward(msg.src, msg.mb, msg.call_id,
+                                                     std::move(inputs), std::move(outputs));
+                     }
+                     return answer;
+                   } catch (py::error_already_set& e) {
+                     throw std::runtime_error(e.what());
+                   } catch (const py::builtin_exception&) {
+                     throw std::runtime_error("smp: the pipeline's handler returned " +
+                                              std::string(py::str(py::repr(out))) +
+                                              ", not a Message or (Message, inputs, outputs)");
+                   }
+                 },
                  [sp](std::function<void()> body) {
                    py::gil_scoped_acquire gil;
                    call_python<void>(sp, py::cpp_function([body = std::move(body)] {
@@ -229,6 +258,7 @@ void bind_pipeline(py::module_& m) {
                    }));
                  },
                  std::move(enc));
+             *self = d;
              if (!raise_error.is_none()) {
                // raise_error(meta) raises the answer's exception. It must reach the
                // caller of backward() as that Python exception, not a RuntimeError:
@@ -267,6 +297,43 @@ void bind_pipeline(py::module_& m) {
       .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())
       .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release())
       .def("stats", &Dispatcher::stats)
+      // Note [Served backward]: `encode(exc, mb) -> bytes` is the kError meta of a served
+      // backward of microbatch `mb` that raised `exc` (a C++ error arrives as a
+      // RuntimeError).
+      .def("set_failure_encoder", [](Dispatcher& d, py::function encode) {
+             auto e = share(std::move(encode));
+             d.set_failure_encoder([e](std::exception_ptr error, int64_t mb) -> std::string {
+               py::gil_scoped_acquire gil;
+               py::object exc;
+               try {
+                 std::rethrow_exception(error);
+               } catch (python_error& pe) {
+                 pe.restore();
+                 py::error_already_set fetched;
+                 exc = fetched.value();
+               } catch (py::error_already_set& pe) {
+                 exc = pe.value();
+               } catch (const std::exception& other) {
+                 exc = py::module_::import("builtins").attr("RuntimeError")(other.what());
+               }
+               return call_python<std::string>(e, exc, mb);
+             });
+           }, py::arg("encode"))
+      .def("keep_for_backward", &Dispatcher::keep_for_backward, py::arg("src"), py::arg("mb"),
+           py::arg("call_id"), py::arg("inputs"), py::arg("outputs"), release())
+      .def("record_spans", &Dispatcher::record_spans, py::arg("on"))
+      .def("take_spans", &Dispatcher::take_spans)
+      // Note [Arming at the first backward]: the dp reducer of a synchronized step arms
+      // itself (prepare_for_pipeline_backward with `hold`) at this rank's first gradient
+      // accumulation, in C++.
+      .def("arm_reducer", [](Dispatcher& d, std::shared_ptr<Reducer> reducer,
+                             std::vector<int64_t> hold) {
+             d.arm_at_first_backward([reducer, hold = std::move(hold)] {
+               reducer->prepare_for_pipeline_backward(1.0, hold);
+             });
+           }, py::arg("reducer"), py::arg("hold"), release())
+      .def("arm_now", &Dispatcher::arm_now, release())
+      .def("disarm", &Dispatcher::disarm, release())
       // Note [Executed plan] (smp_core/dispatch.cpp).
       .def("planned_actions", &Dispatcher::planned_actions)
       .def("executed_actions", &Dispatcher::executed_actions)

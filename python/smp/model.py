@@ -12,7 +12,6 @@ Gradient averaging (explicit, see docs/data_parallel.md):
   group size before the sum, as torch DDP does).
 """
 import contextlib
-import threading
 
 import torch
 
@@ -120,8 +119,6 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         self._pending_state = None  # load_state_dict before partitioning
         self._module_table = None   # (name, module) of the plain module, after partitioning
         self._tied = None           # placement.TiedParameters (partitions > 1)
-        self._arm_reducer = False   # Note [Pipeline overlap]: arm at the first backward
-        self._arm_lock = threading.Lock()
         self._pipeline_hold = None  # reducer indices of tied parameters (held to finalize)
         _join.Joinable.__init__(self)  # Join: self._join_config (smp/join.py)
         # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp raises.
@@ -345,7 +342,6 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
             self._engine.forward_finished(core.state.microbatch_of_task())
             self._engine.wait_all_forwards()
             self._engine.backward_begins()
-            self.begin_pipeline_backward()
         elif self._dp_reduce:
             if self._reducer is None:
                 self._make_reducer()

@@ -65,7 +65,7 @@ class PipelineMixin:
         if core.rank() == 0:  # the same plan on every rank (hash checked): said once
             log.log_partition(self._module_table, self._owner, core.pp_size(),
                               lambda: plan.table(nodes), core.rank())
-        engine = pipeline.Engine(self.begin_pipeline_backward)
+        engine = pipeline.Engine()
         self._tied = placement.apply(self._module_table, self._owner, engine, core.pp_rank())
         self._tied.sync_values()
         engine.order_gradients(self.module.parameters())
@@ -73,13 +73,19 @@ class PipelineMixin:
 
     def _run_pipeline_step(self, fn, mb_inputs, sync_step, joining=None):
         self._in_step = True
-        # Note [Pipeline overlap] (smp_core/detail/reducer_pipeline.cpp): the reducer is
-        # armed when this rank's first backward work of a synchronized step begins, so
-        # each bucket launches once its gradients are final, during the rest of the backward.
+        # Note [Pipeline overlap] (smp_core/detail/reducer_pipeline.cpp): the reducer of a
+        # synchronized step is armed in C++ just before this rank's first gradient
+        # accumulation (Note [Arming at the first backward], smp_core/dispatch.h), so each
+        # bucket launches once its gradients are final, during the rest of the backward.
         reduce = sync_step and self._dp_reduce
         if reduce and self._reducer is None:
             self._make_reducer()  # every dp rank, at the same step
-        self._arm_reducer = reduce
+        dispatch = self._engine.dispatch
+        if reduce:
+            if self._pipeline_hold is None:  # the reducer's parameters never change
+                self._pipeline_hold = [i for i, p in enumerate(self._reduced_params())
+                                       if self._tied.holds(p)]
+            dispatch.arm_reducer(self._reducer, self._pipeline_hold)
         try:
             self._tied.check_copies()  # Note [Tied copies] (placement.py)
             self._tied.begin_step()
@@ -89,22 +95,20 @@ class PipelineMixin:
                 self._tied.restore_grads()
                 # Tell the other replicas rather than leave them waiting in their
                 # reduction. Armed: this rank's backward work had begun.
-                with self._arm_lock:
-                    armed, self._arm_reducer = reduce and not self._arm_reducer, False
-                self._fail_reduction(sync_step, exc, armed)
+                self._fail_reduction(sync_step, exc, dispatch.disarm())
                 raise
             if backward:
                 self._tied.sum_grads()
             else:
                 self._tied.restore_grads()
             if backward and reduce:
-                self.begin_pipeline_backward()  # a rank that had no backward work
+                dispatch.arm_now()  # a rank that had no backward work of its own
                 self._reducer.finalize()
             if joining is not None:
                 joining.end_step(backward and sync_step and self._dp_reduce)
         finally:
             self._in_step = False
-            self._arm_reducer = False
+            dispatch.disarm()
         self._run_post_step_hooks()
         return results
 
@@ -115,17 +119,3 @@ class PipelineMixin:
             from smp import placement
             self._engine.shutdown()
             placement.restore_classes(self._module_table or ())
-
-    def begin_pipeline_backward(self):
-        """Called by every task before its backward work (any thread): the first call of
-        a synchronized step arms the reducer (Note [Pipeline overlap])."""
-        if not self._arm_reducer:
-            return
-        with self._arm_lock:
-            if not self._arm_reducer:
-                return
-            self._arm_reducer = False
-            if self._pipeline_hold is None:  # the reducer's parameters never change
-                self._pipeline_hold = [i for i, p in enumerate(self._reduced_params())
-                                       if self._tied.holds(p)]
-            self._reducer.prepare_for_pipeline_backward(1.0, self._pipeline_hold)

@@ -35,9 +35,8 @@ import torch
 import torch.distributed as dist
 
 from smp import _C, core, log, placement
-from smp.nested import TensorSlot, unflatten
-from smp.remote_call import (Call, decode, encode_outputs, encode_request, gradient_flags,
-                              request_plan)
+from smp.nested import TensorSlot, map_leaves, unflatten
+from smp.remote_call import Call, encode_outputs, encode_request, request_plan
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
 from smp.workers import Workers
@@ -54,6 +53,30 @@ def _encode_error(text):
     return error_payload(RuntimeError(text))
 
 
+def _travels(t):
+    """A step output tensor that goes in the STEP_END message's tensors rather than
+    pickled: a dense CPU one (what the mesh carries as it is)."""
+    return t.layout == torch.strided and t.device.type == "cpu"
+
+
+def _encode_step_end(out, tensors):
+    """STEP_END's meta for the step's outputs `out`: its structure pickled, its dense
+    CPU tensors appended to `tensors` (sent as they are: no torch pickling, which costs
+    more than the send), with whether each required grad."""
+    def slot(t):
+        tensors.append(t.detach())
+        return TensorSlot(len(tensors) - 1)
+    skeleton = map_leaves(out, slot, lambda x: isinstance(x, torch.Tensor) and _travels(x))
+    flags = [t.requires_grad for t in tensors]
+    return pickle.dumps((skeleton, flags))
+
+
+def _decode_step_end(meta, tensors):
+    skeleton, flags = pickle.loads(meta)
+    tensors = [t.requires_grad_() if rg else t for t, rg in zip(tensors, flags)]
+    return unflatten(skeleton, tensors)
+
+
 class Engine:
     """Per-process pipeline state: transport, owned modules, recorded calls."""
 
@@ -62,11 +85,7 @@ class Engine:
     task_context = None
     _created = 0
 
-    def __init__(self, on_backward):
-        # Called on this rank before each served backward (any thread): the model arms
-        # its dp reducer there (Note [Pipeline overlap]). The engine knows nothing else
-        # of the model.
-        self._on_backward = on_backward
+    def __init__(self):
         self._backward_ran = False  # the driver: some microbatch's backward ran this step
         self.cfg = core.state.cfg
         Engine._created += 1  # every rank creates its engines in the same order
@@ -77,14 +96,14 @@ class Engine:
         self._set_payload_transport(pp_ranks)
         self.owned = {}        # module name -> module (served here)
         self.subtrees = {}     # module name -> its subtree's modules (mode flags)
-        self.records = {}      # (caller, mb, call id) -> (input leaves, outputs)
         self.own_errors = []   # this step's exceptions raised here while serving
         self.counters = {}     # mb -> next call id
         self.lock = threading.Lock()
         self.epoch = 0
-        # Seconds this rank spent in served modules' own forward and backward (the rest
-        # of the compute-token time is smp's per-request overhead; bench/pipeline.py).
-        self.compute_s = 0.0
+        # Seconds this rank spent in served modules' own forward (the backward's is the
+        # dispatcher's: compute_s; the rest of the compute-token time is smp's
+        # per-request overhead; bench/pipeline.py).
+        self._forward_s = 0.0
         self.workers = Workers("smp-task")
         # The one source of order: token priorities, receive order, the driver's window
         # and the "simple" barrier all come from the C++ schedule (smp_core/scheduler.h),
@@ -93,6 +112,11 @@ class Engine:
                                     self.cfg.active_microbatches)
         self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self._handle,
                                       self.workers.spawn, _encode_error, self._raise_answer)
+        # Note [Served backward] (smp_core/dispatch.h): a served forward that recorded a
+        # graph leaves its inputs and outputs to the dispatcher, which serves the call's
+        # backward in C++; a failure there comes back here to be answered.
+        self.dispatch.set_failure_encoder(self._backward_failed)
+        self.dispatch.record_spans(timeline.enabled)
         self._forwards_first = self.schedule.forwards_before_backwards()
         self._planned = self.cfg.pipeline_order == "planned"
         self._planned_steps = 0   # the driver's, at its last step (_log_new_plan)
@@ -116,6 +140,11 @@ class Engine:
         device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
         kind = _C.PayloadTransport.C10D if mode == "c10d" else _C.PayloadTransport.AUTO
         self.p2p.set_payload_group(mine, kind, device)
+
+    @property
+    def compute_s(self):
+        """Seconds spent in served modules' own forward and backward on this rank."""
+        return self._forward_s + self.dispatch.stats().backward_s
 
     def order_gradients(self, params):
         """Note [Gradient order] (smp_core/dispatch.h): `params`, the parameters this
@@ -197,51 +226,49 @@ class Engine:
             with self._task_context():
                 return self.serve(msg)
         except BaseException as exc:  # the caller re-raises it with our traceback
-            self.records.pop((msg.src, msg.mb, msg.call_id), None)
             self.own_errors.append(exc)  # See Note [One traceback per error]
             return _C.Message(msg.mb, msg.call_id, K.ERROR, error_payload(exc), [])
         finally:
             _task.mb, _task.backward = prev
 
+    def _backward_failed(self, exc, mb):
+        """Note [Served backward]: the ERROR answer's payload for a call of microbatch
+        `mb` whose backward, served in C++, raised `exc`."""
+        if getattr(exc, "_smp_cell", None) is None:
+            try:
+                exc._smp_cell = (core.pp_rank(), mb, True)
+            except AttributeError:
+                pass
+        self.own_errors.append(exc)  # See Note [One traceback per error]
+        return error_payload(exc)
+
     def serve(self, msg):
-        """Runs one request on this rank (forward or backward of a recorded call) and
-        returns the answer (microbatch and call id are the request's). Errors propagate:
-        `_handle` answers them."""
-        key = (msg.src, msg.mb, msg.call_id)
-        if msg.kind == K.REQUEST:
-            name, skeleton, requires_grad, grad, flags, positional = request_plan(msg.meta)
-            placement.apply_mode_flags(self.subtrees[name], flags)
-            with timeline.span(f"fwd {name}", mb=msg.mb):
-                inputs = [t.requires_grad_() if rg and grad else t
-                          for t, rg in zip(msg.tensors, requires_grad)]
-                if positional:
-                    args, kwargs = inputs, {}
-                else:
-                    args, kwargs = unflatten(skeleton, inputs)
-                t = time.perf_counter()
-                with torch.set_grad_enabled(grad):
-                    out = self.owned[name](*args, **kwargs)
-                self.compute_s += time.perf_counter() - t
-                outs = []
-                meta = encode_outputs(out, outs)
-                if grad:
-                    self.records[key] = (inputs, outs)
-                return _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
-                                  [t.detach() for t in outs])
-        present = msg.meta  # a flag byte per output (smp_core/remote_call.h)
-        inputs, outs = self.records.pop(key)
-        self._on_backward()
-        grads = iter(msg.tensors)
-        pairs = [(o, next(grads)) for o, p in zip(outs, present) if p]
-        with timeline.span("bwd", mb=msg.mb):
-            if pairs:
-                t = time.perf_counter()
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                self.compute_s += time.perf_counter() - t
-            in_grads = [t.grad if t.requires_grad else None for t in inputs]
-            meta = gradient_flags(g is not None for g in in_grads)
-            return _C.Message(msg.mb, msg.call_id, K.BACKWARD_RESPONSE, meta,
-                              [g for g in in_grads if g is not None])
+        """Runs one forward request on this rank and returns the answer (microbatch and
+        call id are the request's), with the call's input leaves and outputs when it
+        recorded a graph: the dispatcher keeps those and serves the call's backward in
+        C++ (Note [Served backward]). Errors propagate: `_handle` answers them."""
+        if msg.kind != K.REQUEST:  # its forward kept nothing: it recorded no graph here
+            raise RuntimeError(f"smp: pp rank {core.pp_rank()} got the backward of call "
+                               f"{msg.call_id} (microbatch {msg.mb}) from pp rank {msg.src}, "
+                               "whose forward recorded no autograd graph here")
+        name, skeleton, requires_grad, grad, flags, positional = request_plan(msg.meta)
+        placement.apply_mode_flags(self.subtrees[name], flags)
+        with timeline.span(f"fwd {name}", mb=msg.mb):
+            inputs = [t.requires_grad_() if rg and grad else t
+                      for t, rg in zip(msg.tensors, requires_grad)]
+            if positional:
+                args, kwargs = inputs, {}
+            else:
+                args, kwargs = unflatten(skeleton, inputs)
+            t = time.perf_counter()
+            with torch.set_grad_enabled(grad):
+                out = self.owned[name](*args, **kwargs)
+            self._forward_s += time.perf_counter() - t
+            outs = []
+            meta = encode_outputs(out, outs)
+            answer = _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
+                                [t.detach() for t in outs])
+        return (answer, inputs, outs) if grad else answer
 
     # --- the step ---------------------------------------------------------------------
 
@@ -321,26 +348,33 @@ class Engine:
             self.dispatch.drive(run)
         finally:
             self.workers.wait_idle(self.cfg.timeout_s)
-        self.records.clear()
+            self._timeline_spans()
         if errors:
             self.log_failure(errors[0])
             raise errors[0]
         out = (results, self._backward_ran)
-        self._send_to_pp_ranks(K.STEP_END, pickle.dumps(out))
+        tensors = []
+        meta = _encode_step_end(out, tensors)
+        self._send_to_pp_ranks(K.STEP_END, meta, tensors)
         return out
 
-    def _send_to_pp_ranks(self, kind, payload, to_self=False):
+    def _send_to_pp_ranks(self, kind, payload, tensors=(), to_self=False):
         """The driver's word to every other pp rank (and, with `to_self`, to itself): a
         message of `kind` outside any microbatch (ABORT, STEP_END) carrying `payload`."""
         for r in range(0 if to_self else 1, core.pp_size()):
-            self.p2p.send(r, _C.Message(-1, 0, kind, payload, []))
+            self.p2p.send(r, _C.Message(-1, 0, kind, payload, list(tensors)))
+
+    def _timeline_spans(self):
+        """The backward spans of the calls served in C++ (Note [Served backward])."""
+        for mb, start, end in self.dispatch.take_spans():
+            timeline.event("bwd", start, end, mb)
 
     def _serve_step(self):
         try:
             msg = self.dispatch.serve_step()
         finally:
             self.workers.wait_idle(self.cfg.timeout_s)
-            self.records.clear()
+            self._timeline_spans()
         if msg.kind == K.ABORT:
             exc, text, origin = remote_exception(msg.meta)
             self.log_failure(exc)
@@ -348,7 +382,7 @@ class Engine:
             if mine is not None:
                 raise mine  # See Note [One traceback per error]
             raise exc from RemoteTraceback(text)
-        return pickle.loads(msg.meta)
+        return _decode_step_end(msg.meta, msg.tensors)
 
     def own_error(self, exc):
         """The exception this rank raised while serving that `exc` (received back from

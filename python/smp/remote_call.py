@@ -81,12 +81,6 @@ def encode_outputs(out, outs):
     return pickle.dumps((skeleton, [t.requires_grad for t in outs]))
 
 
-def gradient_flags(present):
-    """Metadata of which gradients a BACKWARD message carries: a byte per tensor, 1 where
-    it is sent (Note [Remote call node] in smp_core/remote_call.h)."""
-    return bytes(bool(p) for p in present)
-
-
 def decode(meta):
     """pickle.loads of a message's metadata, cached: a call's metadata (module name,
     argument structure, flags) repeats every microbatch and every step. Only values made

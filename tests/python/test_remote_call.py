@@ -9,7 +9,7 @@ import torch
 
 from smp.nested import TensorSlot, flatten, unflatten
 from smp import _C
-from smp.remote_call import decode, encode_outputs, encode_request, gradient_flags, request_plan
+from smp.remote_call import decode, encode_outputs, encode_request, request_plan
 
 
 def _general(name, args, kwargs, grad, flags):
@@ -63,12 +63,6 @@ def test_one_tensor_output_meta_decodes_to_the_general_form():
     skeleton, flags = decode(encode_outputs((torch.ones(1), {"a": torch.zeros(1)}), outs))
     assert len(outs) == 2 and flags == [False, False]
     assert isinstance(unflatten(skeleton, outs)[1]["a"], torch.Tensor)
-
-
-def test_gradient_flags_round_trip_through_the_cpp_reader():
-    """The flags Python's owner writes are what the C++ remote-call node reads."""
-    for present in [(), (True,), (True, False, True), (False, False)]:
-        assert _C.parse_gradient_flags(gradient_flags(present), len(present)) == list(present)
 
 
 def test_malformed_gradient_flags_are_named():

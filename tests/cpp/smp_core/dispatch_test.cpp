@@ -14,6 +14,7 @@
 
 #include "../common/gloo_world.h"
 #include "smp_core/errors.h"
+#include "smp_core/remote_call.h"
 
 namespace smp {
 namespace {
@@ -241,6 +242,112 @@ TEST(Dispatch, LongStepWithOneLeaderIsNotATimeout) {
     } else {
       EXPECT_EQ(d.serve_step().kind, kStepEnd);  // 2.4 s of serving, timeout 1 s
     }
+  });
+}
+
+// Note [Served backward] and Note [Arming at the first backward]: a call whose forward
+// kept its input leaf and output is served backward in C++ (the handler never sees a
+// backward request), its input gradient comes back, its parameter's gradients sum over
+// the microbatches, and the step's arm runs once, before the first accumulation.
+TEST(Dispatch, KeptCallsAreServedBackwardInCppAndArmOnce) {
+  constexpr int64_t kMbs = 4;
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    auto p2p = std::make_shared<P2PEngine>(store, "served", r, 2, 20);
+    at::Tensor w = at::ones({4}).set_requires_grad(true);
+    std::atomic<int> handled{0}, armed{0};
+    std::atomic<bool> grad_before_arm{false};
+    std::shared_ptr<Dispatcher> d;
+    d = std::make_shared<Dispatcher>(
+        p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2),
+        [&](const Message& req) {
+          ++handled;
+          EXPECT_EQ(req.kind, kRequest) << "a kept call's backward reached the handler";
+          at::Tensor x = req.tensors.at(0).clone().set_requires_grad(true);
+          at::Tensor y = x * w * 2;
+          d->keep_for_backward(req.src, req.mb, req.call_id, {x}, {y});
+          return make(0, 0, kResponse, {y.detach()});
+        },
+        spawn_thread);
+    if (r == 1) {
+      d->order_gradients({w});
+      d->arm_at_first_backward([&] {
+        ++armed;
+        grad_before_arm = w.grad().defined();
+      });
+    }
+    d->begin_step(kMbs);
+    if (r == 0) {
+      d->drive([&](int64_t mb) {
+        const float v = static_cast<float>(mb + 1);
+        p2p->send(1, make(mb, mb, kRequest, {at::full({4}, v)}));
+        Message out = d->wait(mb, mb, kResponse, false, "the forward answer");
+        EXPECT_TRUE(out.tensors.at(0).equal(at::full({4}, 2 * v)));
+        Message back = make(mb, mb, kBackwardRequest, {at::full({4}, 1.f)});
+        back.meta = gradient_flags({true});
+        p2p->send(1, back);
+        Message in = d->wait(mb, mb, kBackwardResponse, true, "the backward answer");
+        ASSERT_EQ(in.kind, kBackwardResponse);
+        EXPECT_EQ(parse_gradient_flags(in.meta, 1, "x"), std::vector<bool>{true});
+        EXPECT_TRUE(in.tensors.at(0).equal(at::full({4}, 2.f)));  // d(2xw)/dx
+      });
+      p2p->send(1, make(-1, 0, kStepEnd));
+    } else {
+      EXPECT_EQ(d->serve_step().kind, kStepEnd);
+      EXPECT_EQ(handled.load(), 4);
+      EXPECT_EQ(armed.load(), 1);
+      EXPECT_FALSE(grad_before_arm.load());
+      EXPECT_TRUE(w.grad().equal(at::full({4}, 2.f * (1 + 2 + 3 + 4))));
+      EXPECT_EQ(d->stats().native_backwards, 4);
+      d->arm_now();  // it ran: not again
+      EXPECT_EQ(armed.load(), 1);
+      EXPECT_TRUE(d->disarm());
+      EXPECT_FALSE(d->disarm());
+    }
+  });
+}
+
+// A served backward that fails answers the caller with the failure encoder's error and
+// the rank goes on serving; an arm that never ran is reported as such.
+TEST(Dispatch, FailingServedBackwardAnswersWithTheEncodedError) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    auto p2p = std::make_shared<P2PEngine>(store, "served_fail", r, 2, 20);
+    std::shared_ptr<Dispatcher> d;
+    d = std::make_shared<Dispatcher>(
+        p2p, schedule(ScheduleKind::kInterleaved, 2, 2),
+        [&](const Message& req) {
+          at::Tensor x = req.tensors.at(0).clone();  // no graph: its backward must fail
+          d->keep_for_backward(req.src, req.mb, req.call_id, {x}, {x * 2});
+          return make(0, 0, kResponse, {x});
+        },
+        spawn_thread);
+    d->set_failure_encoder([](std::exception_ptr e, int64_t) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& ex) {
+        return std::string("encoded: ") + ex.what();
+      }
+    });
+    int arms = 0;
+    d->arm_at_first_backward([&] { ++arms; });
+    d->begin_step(2);
+    if (r == 0) {
+      d->drive([&](int64_t mb) {
+        p2p->send(1, make(mb, mb, kRequest, {at::ones({2})}));
+        d->wait(mb, mb, kResponse, false, "the forward answer");
+        Message back = make(mb, mb, kBackwardRequest, {at::ones({2})});
+        back.meta = gradient_flags({true});
+        p2p->send(1, back);
+        Message in = d->wait(mb, mb, kBackwardResponse, true, "the backward answer");
+        EXPECT_EQ(in.kind, kError);
+        EXPECT_EQ(in.meta.rfind("encoded: ", 0), 0u) << in.meta;
+      });
+      p2p->send(1, make(-1, 0, kStepEnd));
+    } else {
+      EXPECT_EQ(d->serve_step().kind, kStepEnd);  // both microbatches were answered
+      EXPECT_EQ(d->stats().native_backwards, 2);
+    }
+    EXPECT_EQ(arms, 0);
+    EXPECT_FALSE(d->disarm());
   });
 }
 

@@ -154,6 +154,7 @@ struct Dispatcher::Impl {
   // Note [Gradient order].
   std::atomic<bool> ordering{false};  // this step orders gradients
   std::atomic<int64_t> floor{0};      // every microbatch below it is over on this rank
+  std::set<int64_t> done;             // microbatches known over here (raise `floor`)
   bool serving = false;               // serve_step() runs this step (not the driver)
   std::vector<int64_t> units, last_units;  // backward requests run, per microbatch
   std::vector<compat::GradAccumulatorPtr> accumulators;
@@ -489,6 +490,7 @@ struct Dispatcher::Impl {
   // serving rank sends it to itself once it has run as many backward requests of the
   // microbatch as in the step before (until it knows that, the driver's word does).
   void announce_done(int64_t mb, bool everyone) noexcept {
+    mark_done(mb);  // this rank's own gates need no message for it
     Message m;
     m.mb = mb;
     m.kind = kMicrobatchDone;
@@ -499,6 +501,16 @@ struct Dispatcher::Impl {
       } catch (...) {  // a peer gone: the step fails on its own
       }
     }
+  }
+
+  // Note [Gradient order]: microbatch `mb`'s backward work on this rank is over; raises
+  // `floor` past every microbatch known over. Only here (under `mu`): it only grows.
+  void mark_done(int64_t mb) {
+    std::lock_guard<std::mutex> lock(mu);
+    done.insert(mb);
+    int64_t f = floor.load();
+    while (done.count(f)) ++f;
+    floor.store(f);
   }
 
   void backward_unit_over(int64_t mb) {
@@ -542,9 +554,7 @@ struct Dispatcher::Impl {
       if (m.kind != kMicrobatchDone)
         throw CommError(str_cat("smp: the step ended while microbatch ", mb,
                                 "'s gradients waited for microbatch ", below, "'s"));
-      int64_t seen = below;
-      while (seen < below + 1 && !floor.compare_exchange_weak(seen, below + 1)) {
-      }
+      mark_done(below);
       below = floor.load();
     }
   }
@@ -778,6 +788,7 @@ void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_c
   if (deterministic) impl_->step_seed = task_rng::draw_step_seed();
   impl_->ordering = deterministic && !impl_->accumulators.empty();
   impl_->floor = 0;
+  impl_->done.clear();
   impl_->serving = false;
   impl_->units.assign(static_cast<size_t>(std::max<int64_t>(microbatches, 0)), 0);
   impl_->microbatches = microbatches;

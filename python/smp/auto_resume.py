@@ -123,7 +123,7 @@ def _placeholder(shape):
 
 
 def _registered_hook_state(model):
-    hook = getattr(model, "_comm_hook", None) if model is not None else None
+    hook = model.replica.comm_hook if model is not None else None
     return hook[0] if hook is not None else None
 
 
@@ -150,7 +150,7 @@ def _restore_hook_state(model, saved):
 
 
 def _bucket_layout(model):
-    reducer = getattr(model, "_reducer", None) if model is not None else None
+    reducer = model.replica.reducer if model is not None else None
     return reducer.bucket_indices() if reducer is not None else None
 
 

@@ -28,14 +28,15 @@ class UnreducedGradientError(RuntimeError):
 
 
 class GradGuard:
-    """Hooks the gradient accumulators of `named_params` (name, Parameter) for `model`.
+    """Hooks the gradient accumulators of `named_params` (name, Parameter) of a model.
 
-    The guard is a context manager around smp's own backward; `model._in_step` and
-    the rank's pp position tell the rest (Note [Unreduced gradients]).
+    The guard is a context manager around smp's own backward; `in_step()` (whether the
+    model is inside a step) and the rank's pp position tell the rest (Note [Unreduced
+    gradients]).
     """
 
-    def __init__(self, model, named_params):
-        self._model = model
+    def __init__(self, in_step, named_params):
+        self._in_step = in_step
         self._depth = 0
         self._lock = threading.Lock()
         self._nodes = []  # AccumulateGrad nodes: the tensor holds its node weakly
@@ -55,11 +56,11 @@ class GradGuard:
         return hook
 
     def _serving(self):
-        return self._model._in_step and core.pp_size() > 1 and core.pp_rank() > 0
+        return self._in_step() and core.pp_size() > 1 and core.pp_rank() > 0
 
     def _raise(self, name):
         dp = core.dp_size()
-        if self._model._in_step:
+        if self._in_step():
             what = ("inside an @smp.step function by loss.backward() (or "
                     "torch.autograd.backward)")
             fix = "call model.backward(loss) there instead of loss.backward()"

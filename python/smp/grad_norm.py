@@ -46,7 +46,7 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
         raise ValueError(f"smp.clip_grad_norm_: norm_type={norm_type} is not a number > 0 "
                          "or inf")
     params = [p for p in model.local_parameters() if p.grad is not None]
-    tied = getattr(model, "_tied", None)
+    tied = model.pipeline.tied if model.pipeline is not None else None
     counted = [p for p in params if tied is None or tied.is_counted_here(p)]
     device = params[0].grad.device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in counted]

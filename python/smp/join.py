@@ -256,7 +256,7 @@ class _ModelJoinHook(JoinHook):
             raise ValueError("smp.join: divide_by_initial_world_size="
                              f"{divide_by_initial_world_size!r} is not one of {{True, False}}")
         self.model = model
-        model._join_divide_by_initial = divide_by_initial_world_size
+        model.replica.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self):
         shadow_step(self.model)
@@ -284,7 +284,7 @@ def make_optimizer_joinable(opt):
     opt.join_process_group = core.get_dp_process_group()
 
 
-# Active ranks, in DistributedModel._run_step (pp=1) / _run_pipeline_step:
+# Active ranks, in DistributedModel._run_step (pp=1) / PipelinePart.run_step:
 #   begin_step -> [partition | sync_buffers] -> announce -> body + reducer -> end_step.
 # A joined rank's shadow_step issues the same collectives in the same order.
 
@@ -301,22 +301,22 @@ class _StepJoin:
 
     def announce(self, sync_step):
         """The "sync" allreduce; returns whether this step reduces gradients."""
-        m = self.model
-        if not m._dp_reduce:
+        replica = self.model.replica
+        if not replica.reduces:
             return sync_step
         n = self.proto.allreduce_sum(1 if sync_step else 0, "the join 'sync' allreduce")
         self.sync = bool(sync_step)
         # Made here, not at the first backward: a joined rank makes it at the same point.
-        _ensure_reducer(m)
-        m._reducer.set_active_ranks(
-            0 if getattr(m, "_join_divide_by_initial", True) else max(int(n), 1))
+        replica.ensure_reducer().set_active_ranks(
+            0 if replica.divide_by_initial_world_size else max(int(n), 1))
         return self.sync
 
     def end_step(self, reduced):
         """After the body: a step that announced a reduction but ran no synchronized
         backward (an evaluation step) shadows it, so the group's collectives match."""
-        if self.sync and not reduced and self.model._reducer is not None:
-            self.model._reducer.run_shadow_step()
+        reducer = self.model.replica.reducer
+        if self.sync and not reduced and reducer is not None:
+            reducer.run_shadow_step()
 
 
 def begin_step(model):
@@ -327,13 +327,8 @@ def begin_step(model):
     return _StepJoin(model)
 
 
-def _ensure_reducer(model):
-    if model._reducer is None:
-        model._make_reducer()
-
-
 def _has_buffers(model):
-    return model.broadcast_buffers and any(True for _ in model.local_buffers())
+    return model.broadcast_buffers and model.replica.has_buffers()
 
 
 def _sync_buffers(model, proto, candidate):
@@ -347,26 +342,28 @@ def _sync_buffers(model, proto, candidate):
 @core.api_call(core.STEP_CALL)  # the collectives of an active rank's step: the same name
 def shadow_step(model):
     """A joined rank's iteration: the collectives of an active rank's step."""
-    if not model._dp_reduce:
+    replica = model.replica
+    if not replica.reduces:
         return
     proto = _protocol(core.get_dp_process_group())
     if not model.partitioned:
         if core.pp_size() > 1:
             raise RuntimeError("smp.join: with partitions > 1 every rank must run at least the "
                                "first step (a replica with zero batches cannot be partitioned)")
-        model._partition(None, None)  # the first step's agreement and broadcast
+        model.first_step_without_batch()  # the first step's agreement and broadcast
     elif _has_buffers(model):
         _sync_buffers(model, proto, candidate=False)
     n = proto.allreduce_sum(0, "the join 'sync' allreduce")
-    _ensure_reducer(model)
+    reducer = replica.ensure_reducer()
     if n > 0:
-        model._reducer.run_shadow_step()
+        reducer.run_shadow_step()
 
 
 def sync_final_model(model, is_last_joiner):
     """Post hook: every rank takes the parameters and buffers of the last joiner (the
     highest dp rank among them)."""
-    if not model._dp_reduce:
+    replica = model.replica
+    if not replica.reduces:
         return
     proto = _protocol(core.get_dp_process_group())
     root = proto.find_common_rank(bool(is_last_joiner))
@@ -375,8 +372,8 @@ def sync_final_model(model, is_last_joiner):
     tensors = list(model.local_parameters()) + list(model.local_buffers())
     with torch.no_grad():
         _C.broadcast_coalesced(core.get_dp_process_group(), tensors, int(root))
-    if model._reducer is not None:
-        model._reducer.set_active_ranks(0)
+    if replica.reducer is not None:
+        replica.reducer.set_active_ranks(0)
 
 
 # Note [Join with pipeline parallelism]
@@ -398,39 +395,19 @@ SHADOWED = object()  # _run_step's answer when a peer's step call was a shadow i
 
 def _pipelined_model(joinables):
     for j in joinables:
-        if getattr(j, "_engine", None) is not None and core.pp_size() > 1:
+        if getattr(j, "pipeline", None) is not None and core.pp_size() > 1:
             return j
     return None
 
 
 def _pp_announce(model, state, is_last_joiner=False):
-    """Driver: opens an epoch for this iteration's join state and sends it to the peers."""
-    import pickle
-    e = model._engine
-    e.epoch += 1
-    e.p2p.begin_step(e.epoch)
-    meta = pickle.dumps(("smp-join", state, bool(is_last_joiner)))
-    for r in range(1, core.pp_size()):
-        e.p2p.send(r, _C.Message(-1, 0, _C.MsgKind.STEP_END, meta, []))
+    """Driver: sends this iteration's join state to the pp peers."""
+    model.pipeline.engine.send_join_state((state, bool(is_last_joiner)))
 
 
 def _pp_receive(model):
     """Peer: the driver's join state of this iteration."""
-    import pickle
-    from smp.remote_errors import raise_remote
-    e = model._engine
-    e.epoch += 1
-    e.p2p.begin_step(e.epoch)
-    k = _C.MsgKind
-    msg = e.p2p.recv(-1, _C.ANY, (1 << int(k.STEP_END)) | (1 << int(k.ABORT)),
-                     "this iteration's join state from the pipeline driver (pp rank 0)")
-    if msg.kind == k.ABORT:
-        raise_remote(msg.meta)
-    tag, state, is_last_joiner = pickle.loads(msg.meta)
-    if tag != "smp-join":
-        raise RuntimeError(f"smp.join: pipeline protocol error: expected the join state from "
-                           f"pp rank 0, got {tag!r}")
-    return state, is_last_joiner
+    return model.pipeline.engine.receive_join_state()
 
 
 def pipeline_begin_step(model):
@@ -438,10 +415,10 @@ def pipeline_begin_step(model):
     SHADOWED (a peer whose replica has joined: the call was a shadow iteration)."""
     if not _in_join(model):
         return None
-    if getattr(model, "_smp_pp_join_done", False):
+    if model.replica.pipeline_join_done:
         raise RuntimeError(f"smp.join: pp rank {core.pp_rank()} has more batches than its "
                            "pipeline driver (pp rank 0), and every replica has joined")
-    if model._engine is not None:
+    if model.pipeline is not None:
         if core.pp_rank() == 0:
             _pp_announce(model, "step")
         else:
@@ -463,7 +440,7 @@ def _peer_joined_iteration(model, state, is_last_joiner):
     if state == "shadow":
         ctx._joined_iteration(proto)
         return
-    model._smp_pp_join_done = True
+    model.replica.pipeline_join_done = True
     for hook in ctx._join_hooks:
         hook.post_hook(is_last_joiner)
 
@@ -472,7 +449,7 @@ def _peer_joined_iteration(model, state, is_last_joiner):
 def _peer_join_loop(model):
     """A pp peer whose own loop ran out: follows its driver until every replica joined."""
     try:
-        while not getattr(model, "_smp_pp_join_done", False):
+        while not model.replica.pipeline_join_done:
             model._run_step(None, None)
     finally:
-        model._smp_pp_join_done = False
+        model.replica.pipeline_join_done = False

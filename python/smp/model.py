@@ -15,12 +15,13 @@ import contextlib
 
 import torch
 
-from smp import _C, core
+from smp import core
 from smp import agreement, grad_guard
 from smp import join as _join
-from smp.model_pipeline import PipelineMixin
+from smp.model_pipeline import PipelinePart
 from smp.model_state import ModelStateMixin
 from smp.model_views import LocalViewsMixin
+from smp.replica import Replica
 
 __all__ = []
 
@@ -34,13 +35,12 @@ def _check_arg(name, value, ok, allowed):
         raise ValueError(f"smp.DistributedModel: argument '{name}'={value!r} is not {allowed}")
 
 
-# Note [Failed peer] (smp_core/reducer.cpp): store keys <prefix>/<rank>/<step>.
-_FAILED_PEER_PREFIX = "smp/failed_peer"
-
-
-class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn.Module,
-                       _join.Joinable):
+class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.Joinable):
     """Wraps `module` for model parallelism (partitions) and data parallelism (ddp).
+
+    Composed of two parts: `replica` (smp/replica.py: the dp reduction, its comm hook
+    and join state) and, once partitioned with partitions > 1, `pipeline`
+    (smp/model_pipeline.py: the partition, the engine, the tied weights).
 
     Args:
         module: the model. Its Parameter objects are kept (an optimizer built on them
@@ -104,26 +104,23 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
         self.partitioned = False
         self._post_partition_hooks = {}
         self._post_step_hooks = {}
-        self._comm_hook = None
-        self._reducer = None
         self._steps = 0
         self._in_step = False
         self._sync_backward = False
         self._synced_this_step = False
-        self._first_use_order = None
-        self._record_handles = ()
-        self._engine = None
+        self.pipeline = None        # PipelinePart (partitions > 1, after partitioning)
         self._plan = None
         self._owner = None          # module name -> pp rank (after partitioning)
         self._state_tensors = None  # the plain module's state, by key, in key order
         self._pending_state = None  # load_state_dict before partitioning
         self._module_table = None   # (name, module) of the plain module, after partitioning
-        self._tied = None           # placement.TiedParameters (partitions > 1)
-        self._pipeline_hold = None  # reducer indices of tied parameters (held to finalize)
+        self.replica = Replica(self.local_parameters, self.local_buffers, self.bucket_cap_mb,
+                               gradient_as_bucket_view, overlapping_allreduce)
         _join.Joinable.__init__(self)  # Join: self._join_config (smp/join.py)
         # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp raises.
-        self._grad_guard = (grad_guard.GradGuard(self, module.named_parameters())
-                            if self._dp_reduce else None)
+        self._grad_guard = (grad_guard.GradGuard(lambda: self._in_step,
+                                                 module.named_parameters())
+                            if self.replica.reduces else None)
         core.state.model = self
 
     # --- wrapper plumbing -------------------------------------------------------------
@@ -137,17 +134,27 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                                "an @smp.step function")
         return self.module(*args, **kwargs)
 
+    # The parts' objects under the names tests and tools have used.
     @property
-    def _dp_reduce(self):
-        return core.state.cfg.ddp and core.dp_size() > 1
+    def _reducer(self):
+        return self.replica.reducer
+
+    @property
+    def _comm_hook(self):
+        return self.replica.comm_hook
+
+    @property
+    def _engine(self):
+        return self.pipeline.engine if self.pipeline is not None else None
 
     def _shutdown(self):
         """smp.shutdown(): unhooks the parameters (a later model may wrap the same
-        module), then the pipeline's part."""
+        module), then stops the pipeline's part."""
         if self._grad_guard is not None:
             self._grad_guard.remove()
             self._grad_guard = None
-        super()._shutdown()
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
 
     # --- the step ---------------------------------------------------------------------
 
@@ -174,15 +181,15 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                 # [Failed rank] in smp_core/detail/reducer_shadow.cpp): they raise too,
                 # naming this rank.
                 sync = (self._steps + 1) % self.backward_passes_per_step == 0
-                self._fail_reduction(sync, input_error, armed=False)
+                self.replica.fail_step(sync, input_error, armed=False)
             if core.pp_size() == 1:
                 raise input_error
             if core.pp_rank() == 0:  # the driver tells every pp rank, then raises
-                self._engine.abort_step(input_error)
+                self.pipeline.engine.abort_step(input_error)
             # Other pp ranks do not use their inputs: they serve the driver's step.
-        elif self.broadcast_buffers and self._dp_reduce:
+        elif self.broadcast_buffers and self.replica.reduces:
             if joining is None:
-                self._broadcast(list(self.local_buffers()))
+                self.replica.broadcast_buffers()
             elif _join._has_buffers(self):
                 joining.sync_buffers()
         self._steps += 1
@@ -191,7 +198,13 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
             sync_step = joining.announce(sync_step)
         self._synced_this_step = False
         if core.pp_size() > 1:
-            return self._run_pipeline_step(fn, mb_inputs, sync_step, joining)
+            self._in_step = True
+            try:
+                results = self.pipeline.run_step(fn, mb_inputs, sync_step, self.replica, joining)
+            finally:
+                self._in_step = False
+            self._run_post_step_hooks()
+            return results
         results = []
         self._in_step = True
         try:
@@ -199,52 +212,27 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                 for mb, (args, kwargs) in enumerate(mb_inputs):
                     core.state.microbatch = mb
                     self._sync_backward = sync_step and mb == len(mb_inputs) - 1
-                    self._record_first_use(mb)
+                    if mb == 0:
+                        self.replica.record_first_use(self.module)
                     results.append(fn(*args, **kwargs))
             except BaseException as e:
                 if joining is None:  # (inside Join, its own protocol ends the step)
-                    self._fail_reduction(sync_step, e, armed=self._synced_this_step)
+                    self.replica.fail_step(sync_step, e, armed=self._synced_this_step)
                 raise
             if self._synced_this_step:
-                self._reducer.finalize()
+                self.replica.reducer.finalize()
             if joining is not None:
                 joining.end_step(self._synced_this_step)
         finally:
             self._in_step = False
-            self._stop_recording()
+            self.replica.stop_recording()
         self._run_post_step_hooks()
         return results
 
-    def _fail_reduction(self, sync_step, error, armed):
-        """This rank's step failed (a bad input, or its body raised; pp=1 and pp>1): the
-        dp replicas are told in the step's own collectives, and raise naming this rank,
-        instead of waiting for it (Note [Failed rank] in
-        smp_core/detail/reducer_shadow.cpp): a flagged shadow step, or, once the reducer
-        was `armed` (backward had begun), the rest of the step, flagged. A step that does
-        not reduce has no collectives to tell them in: it posts the failure for the step
-        they will wait in (Note [Failed peer])."""
-        if not self._dp_reduce:
-            return
-        if not sync_step:
-            self._post_failure(error)
-        elif self._reducer is None:
-            return  # (the first step's agreement fails every rank together)
-        elif armed:
-            self._reducer.abandon_step()
-        else:
-            self._reducer.fail_step()
-
-    def _post_failure(self, error):
-        """Note [Failed peer]: this replica will not reach the next reduction."""
-        step = self._reducer.steps_run() + 1 if self._reducer is not None else 1
-        what = str(error).splitlines()[0] if error is not None else "an error"
-        try:
-            _C.post_step_failure(
-                core.state.store, _FAILED_PEER_PREFIX, core.rank(), step,
-                f"dp rank {core.dp_rank()} (rank {core.rank()}) failed a step that does not "
-                f"reduce and will not reach reduction {step} ({type(error).__name__}: {what})")
-        except Exception:  # the store is gone: the peers' own wait says more
-            pass
+    def first_step_without_batch(self):
+        """Join (smp/join.py): a replica that has no batch at all still takes part in the
+        first step's agreement and the broadcast of dp rank 0's state."""
+        self._partition(None, None)
 
     def _partition(self, fn, mb_inputs, input_error=None):
         """First step: trace and partition (pp > 1), then sync the dp replicas."""
@@ -254,68 +242,26 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
             raise input_error
         self._state_tensors = self.module.state_dict(keep_vars=True)
         if core.pp_size() > 1:
-            self._partition_pipeline(fn, mb_inputs)
-        if self._dp_reduce:
+            part = PipelinePart(self.module, fn, mb_inputs, self.trace_execution_times,
+                                self.trace_memory_usage, self._stepping)
+            self._plan, self._owner, self._module_table = part.plan, part.owner, part.module_table
+            self.pipeline = part
+        if self.replica.reduces:
             # Deferred to the first step, not wrap time (SMP semantics).
-            self._broadcast(list(self.local_parameters()) + list(self.local_buffers()))
+            self.replica.broadcast_state()
         self.partitioned = True
         self._apply_pending_state()  # deferred model/optimizer loads (model_state.py)
         for hook in list(self._post_partition_hooks.values()):
             hook(self, core.state.optimizer)
 
-    def _broadcast(self, tensors):
-        with torch.no_grad():
-            _C.broadcast_coalesced(core.get_dp_process_group(), tensors, 0)
-
-    # Note [Bucket order from the first iteration]: during the first microbatch of the
-    # first step, forward pre-hooks record the order in which modules first run; the
-    # reverse of their parameters' order is when gradients will become ready, so the
-    # reducer's buckets match backward from step one. dp rank 0's order is used on all.
-    def _record_first_use(self, mb):
-        if mb != 0 or self._reducer is not None or self._first_use_order is not None \
-                or not self._dp_reduce:
-            return
-        order, seen, handles = [], set(), []
-        index = {id(p): i for i, p in enumerate(self._reduced_params())}
-
-        def pre_hook(module, _inputs):
-            for p in module.parameters(recurse=False):
-                if id(p) in index and id(p) not in seen:
-                    seen.add(id(p))
-                    order.append(index[id(p)])
-        for m in self.module.modules():
-            handles.append(m.register_forward_pre_hook(pre_hook))
-        self._first_use_order = order
-        self._record_handles = handles
-
-    def _stop_recording(self):
-        for h in self._record_handles:
-            h.remove()
-        self._record_handles = ()
-
-    def _reduced_params(self):
-        return [p for p in self.local_parameters() if p.requires_grad]
-
-    def _make_reducer(self):
-        self._stop_recording()
-        params = self._reduced_params()
-        used = list(self._first_use_order or [])
-        rest = [i for i in range(len(params)) if i not in set(used)]
-        expected = list(reversed(used + rest))
-        expected = core.allgather(expected, core.CommGroup.DP_GROUP)[0]  # dp rank 0 decides
-        self._reducer = _C.Reducer(
-            params, core.get_dp_process_group(), bucket_cap_mb=self.bucket_cap_mb,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            overlapping=self.overlapping_allreduce, expected_order=expected,
-            timeout_s=core.state.cfg.timeout_s)
-        if self._comm_hook is not None:
-            from smp.ddp_comm_hooks import _install
-            _install(self._reducer, *self._comm_hook)
-        from smp import auto_resume
-        auto_resume.adopt_layout(self._reducer)  # a resumed job's buckets, if any
-        # Note [Failed peer]: a replica that fails a step with no reduction posts it.
-        dp_peers = [r for r in core.get_dp_group() if r != core.rank()]
-        self._reducer.watch_peer_failures(core.state.store, _FAILED_PEER_PREFIX, dp_peers)
+    @contextlib.contextmanager
+    def _stepping(self):
+        """The model may be called (partitions > 1): inside a step, or while tracing."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
 
     def backward(self, tensors, grad_tensors=None):
         """Backward across partitions (replaces loss.backward() inside @smp.step).
@@ -338,14 +284,13 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
                             for t, g in zip(tensors, grad_tensors)]
         if core.state.tracing:
             return  # the trace runs forward only
-        if self._engine is not None:
-            self._engine.forward_finished(core.state.microbatch_of_task())
-            self._engine.wait_all_forwards()
-            self._engine.backward_begins()
-        elif self._dp_reduce:
-            if self._reducer is None:
-                self._make_reducer()
-            self._reducer.prepare_for_backward(self._sync_backward, 1.0, tensors)
+        if self.pipeline is not None:
+            engine = self.pipeline.engine
+            engine.forward_finished(core.state.microbatch_of_task())
+            engine.wait_all_forwards()
+            engine.backward_begins()
+        elif self.replica.reduces:
+            self.replica.ensure_reducer().prepare_for_backward(self._sync_backward, 1.0, tensors)
             self._synced_this_step |= self._sync_backward
         with self._grad_guard or contextlib.nullcontext():
             torch.autograd.backward(tensors, grad_tensors)
@@ -401,13 +346,14 @@ class DistributedModel(PipelineMixin, LocalViewsMixin, ModelStateMixin, torch.nn
             ValueError: hook is not callable; smp.ConfigError (on every rank): the
                 state names a group other than the dp group.
         """
-        if self._comm_hook is not None or self._reducer is not None or self._steps > 0:
+        replica = self.replica
+        if replica.comm_hook is not None or replica.reducer is not None or self._steps > 0:
             raise RuntimeError("smp: register_comm_hook must be called once, before the "
                                "first step")
         if not callable(hook):
             raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
         from smp.ddp_comm_hooks._groups import resolve_hook_state
-        self._comm_hook = (resolve_hook_state(state), hook)
+        replica.comm_hook = (resolve_hook_state(state), hook)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clips gradients by the global norm over every partition (FSDP's name).

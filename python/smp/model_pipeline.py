@@ -1,8 +1,11 @@
-"""The pipeline part of smp.DistributedModel (partitions > 1): the first step's trace
-and partition, and each step run through the pipeline engine with the tied-weight sum
-and the dp reduction overlapping the backward. A mixin of DistributedModel: it uses the
-model's attributes (see model.py's __init__)."""
+"""The pipeline part of `smp.DistributedModel` (partitions > 1): the first step's trace
+and partition, the pipeline engine and the tied weights, and each step run through the
+engine with the tied-weight sum and the dp reduction overlapping the backward.
 
+`DistributedModel` holds one `PipelinePart` (its `pipeline`, None before partitioning
+and with partitions == 1) beside its `Replica` (smp/replica.py); the part gets what it
+needs from the model as arguments and reads no attribute of the model.
+"""
 import torch
 
 from smp import agreement, core, log, tracer
@@ -11,111 +14,123 @@ from smp.nested import map_leaves
 __all__ = []
 
 
-class PipelineMixin:
-    def _trace(self, fn, mb_inputs):
-        """Runs the first microbatch through the whole model, recording the trace.
+def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping):
+    """Runs the first microbatch through the whole model, recording the trace.
 
-        The trace leaves no trace: buffers (BatchNorm statistics, counters) and RNG
-        states are restored afterwards, and it runs on a copy of the microbatch's
-        tensors, so a module that changes its input in place does not change the
-        user's batch before the step proper runs. A failure on any rank raises on
-        every rank.
-        """
-        trace = tracer.Trace(self.module, self.trace_execution_times, self.trace_memory_usage)
-        args, kwargs = map_leaves(mb_inputs[0], torch.Tensor.clone,
-                                  lambda x: isinstance(x, torch.Tensor))
-        restore = agreement.snapshot_side_effects(self.module)
-        core.state.tracing = True
-        self._in_step = True
-        error = None
-        try:
-            with trace, torch.no_grad():
-                fn(*args, **kwargs)
-        except Exception as exc:  # reported to every rank below
-            error = exc
-        finally:
-            core.state.tracing = False
-            self._in_step = False
-            restore()
-        mine = trace.nodes() if error is None else None
-        everyone = agreement.agree(error, core.CommGroup.WORLD,
-                                   agreement.first_error("tracing the model"), value=mine,
-                                   own_first=True)
-        # pp rank 0's measurements decide (times differ between ranks).
-        ref = everyone[core.state.topology.pp_group(core.rank())[0]]
-        if [r["name"] for r in ref] != [r["name"] for r in mine]:
-            raise RuntimeError(f"smp: the model differs between pp ranks: {len(mine)} modules "
-                               f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
-        measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
-        return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
+    `stepping()`: a context manager in which the model may be called (the step's).
+    The trace leaves no trace: buffers (BatchNorm statistics, counters) and RNG
+    states are restored afterwards, and it runs on a copy of the microbatch's
+    tensors, so a module that changes its input in place does not change the
+    user's batch before the step proper runs. A failure on any rank raises on
+    every rank.
+    """
+    recording = tracer.Trace(module, execution_times, memory_usage)
+    args, kwargs = map_leaves(mb_inputs[0], torch.Tensor.clone,
+                              lambda x: isinstance(x, torch.Tensor))
+    restore = agreement.snapshot_side_effects(module)
+    core.state.tracing = True
+    error = None
+    try:
+        with stepping(), recording, torch.no_grad():
+            fn(*args, **kwargs)
+    except Exception as exc:  # reported to every rank below
+        error = exc
+    finally:
+        core.state.tracing = False
+        restore()
+    mine = recording.nodes() if error is None else None
+    everyone = agreement.agree(error, core.CommGroup.WORLD,
+                               agreement.first_error("tracing the model"), value=mine,
+                               own_first=True)
+    # pp rank 0's measurements decide (times differ between ranks).
+    ref = everyone[core.state.topology.pp_group(core.rank())[0]]
+    if [r["name"] for r in ref] != [r["name"] for r in mine]:
+        raise RuntimeError(f"smp: the model differs between pp ranks: {len(mine)} modules "
+                           f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
+    measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
+    return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
 
-    def _partition_pipeline(self, fn, mb_inputs):
+
+class PipelinePart:
+    """This rank's part of a partitioned model.
+
+    Attributes (read-only for others):
+        plan: [(module name, pp rank, normalized cost)] of the plain module's modules.
+        owner: module name -> pp rank.
+        module_table: [(name, module)] of the plain module, in pre-order.
+        engine: the pipeline engine (smp/pipeline.py).
+        tied: the parameters held on several pp ranks (placement.TiedParameters).
+    """
+
+    def __init__(self, module, fn, mb_inputs, execution_times, memory_usage, stepping):
+        """Traces and partitions `module` on the first step's first microbatch, then
+        routes every module owned elsewhere and starts the engine (collective over the
+        world; every rank or none raises)."""
         from smp import pipeline, placement
-        records = self._trace(fn, mb_inputs)
+        records = trace(module, fn, mb_inputs, execution_times, memory_usage, stepping)
         nodes, plan = tracer.make_plan(records)
         hashes = core.allgather(plan.hash, core.CommGroup.MP_GROUP)
         if len(set(hashes)) != 1:
             raise RuntimeError("smp: ranks of the mp group computed different partitions "
                                f"(plan hashes by pp rank: {[hex(h) for h in hashes]})")
-        table = tracer.module_table(self.module)
-        self._plan = [(name, plan.assignment[i], plan.node_cost[i])
-                      for i, (name, _, _) in enumerate(table)]
-        self._owner = {name: plan.assignment[i] for i, (name, _, _) in enumerate(table)}
-        self._module_table = [(name, m) for name, m, _ in table]
+        table = tracer.module_table(module)
+        self.plan = [(name, plan.assignment[i], plan.node_cost[i])
+                     for i, (name, _, _) in enumerate(table)]
+        self.owner = {name: plan.assignment[i] for i, (name, _, _) in enumerate(table)}
+        self.module_table = [(name, m) for name, m, _ in table]
         if core.rank() == 0:  # the same plan on every rank (hash checked): said once
-            log.log_partition(self._module_table, self._owner, core.pp_size(),
+            log.log_partition(self.module_table, self.owner, core.pp_size(),
                               lambda: plan.table(nodes), core.rank())
-        engine = pipeline.Engine()
-        self._tied = placement.apply(self._module_table, self._owner, engine, core.pp_rank())
-        self._tied.sync_values()
-        engine.order_gradients(self.module.parameters())
-        self._engine = engine
+        self.engine = pipeline.Engine()
+        self.tied = placement.apply(self.module_table, self.owner, self.engine, core.pp_rank())
+        self.tied.sync_values()
+        self.engine.order_gradients(module.parameters())
+        self._hold = None  # reducer indices of tied parameters (held to finalize)
 
-    def _run_pipeline_step(self, fn, mb_inputs, sync_step, joining=None):
-        self._in_step = True
-        # Note [Pipeline overlap] (smp_core/detail/reducer_pipeline.cpp): the reducer of a
-        # synchronized step is armed in C++ just before this rank's first gradient
-        # accumulation (Note [Arming at the first backward], smp_core/dispatch.h), so each
-        # bucket launches once its gradients are final, during the rest of the backward.
-        reduce = sync_step and self._dp_reduce
-        if reduce and self._reducer is None:
-            self._make_reducer()  # every dp rank, at the same step
-        dispatch = self._engine.dispatch
+    def run_step(self, fn, mb_inputs, sync_step, replica, joining=None):
+        """Runs one step through the pipeline; returns the per-microbatch results.
+
+        `replica` (smp/replica.py) reduces the gradients of a synchronized step: its
+        reducer is armed in C++ just before this rank's first gradient accumulation
+        (Note [Arming at the first backward], smp_core/dispatch.h; Note [Pipeline
+        overlap] in smp_core/detail/reducer_pipeline.cpp), so each bucket launches once
+        its gradients are final, during the rest of the backward. `joining`: the step's
+        join bookkeeping (smp/join.py), or None.
+        """
+        reduce = sync_step and replica.reduces
+        reducer = replica.ensure_reducer() if reduce else None  # every dp rank, same step
+        dispatch = self.engine.dispatch
         if reduce:
-            if self._pipeline_hold is None:  # the reducer's parameters never change
-                self._pipeline_hold = [i for i, p in enumerate(self._reduced_params())
-                                       if self._tied.holds(p)]
-            dispatch.arm_reducer(self._reducer, self._pipeline_hold)
+            if self._hold is None:  # the reducer's parameters never change
+                self._hold = [i for i, p in enumerate(replica.params()) if self.tied.holds(p)]
+            dispatch.arm_reducer(reducer, self._hold)
         try:
-            self._tied.check_copies()  # Note [Tied copies] (placement.py)
-            self._tied.begin_step()
+            self.tied.check_copies()  # Note [Tied copies] (placement.py)
+            self.tied.begin_step()
             try:
-                results, backward = self._engine.run_step(fn, mb_inputs)
+                results, backward = self.engine.run_step(fn, mb_inputs)
             except BaseException as exc:
-                self._tied.restore_grads()
+                self.tied.restore_grads()
                 # Tell the other replicas rather than leave them waiting in their
                 # reduction. Armed: this rank's backward work had begun.
-                self._fail_reduction(sync_step, exc, dispatch.disarm())
+                replica.fail_step(sync_step, exc, dispatch.disarm())
                 raise
             if backward:
-                self._tied.sum_grads()
+                self.tied.sum_grads()
             else:
-                self._tied.restore_grads()
+                self.tied.restore_grads()
             if backward and reduce:
                 dispatch.arm_now()  # a rank that had no backward work of its own
-                self._reducer.finalize()
+                reducer.finalize()
             if joining is not None:
-                joining.end_step(backward and sync_step and self._dp_reduce)
+                joining.end_step(backward and sync_step and replica.reduces)
         finally:
-            self._in_step = False
             dispatch.disarm()
-        self._run_post_step_hooks()
         return results
 
-    def _shutdown(self):
+    def shutdown(self):
         """smp.shutdown(): stops the pipeline's threads and gives the module back its
         own classes (Note [Routing by class])."""
-        if self._engine is not None:
-            from smp import placement
-            self._engine.shutdown()
-            placement.restore_classes(self._module_table or ())
+        from smp import placement
+        self.engine.shutdown()
+        placement.restore_classes(self.module_table)

@@ -73,6 +73,14 @@ class ModelStateMixin:
 
     # --- helpers ------------------------------------------------------------------------
 
+    def plain_named_parameters(self):
+        """(state-dict name, Parameter) of the plain module, as it was before partitioning
+        replaced the children other ranks own (a tied Parameter under each name)."""
+        if self._state_tensors is None:
+            return list(self.module.named_parameters())
+        return [(k, v) for k, v in self._state_tensors.items()
+                if isinstance(v, torch.nn.Parameter)]
+
     @property
     def _plan_hash(self):
         plan = getattr(self, "_plan", None)

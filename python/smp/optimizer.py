@@ -30,9 +30,7 @@ def _param_names(opt):
     names = {}
     if model is not None:
         # The plain module's names, taken before partitioning replaced remote children.
-        named = model._state_tensors.items() if model._state_tensors is not None \
-            else model.module.named_parameters()
-        for name, p in named:
+        for name, p in model.plain_named_parameters():
             if isinstance(p, torch.nn.Parameter):
                 names.setdefault(id(p), name)
     out = []
@@ -44,7 +42,7 @@ def _param_names(opt):
 
 def _local_ids():
     model = core.state.model
-    if model is None or model._owner is None:
+    if model is None or model.pipeline is None:
         return None  # everything is local
     return {id(p) for p in model.local_parameters()}
 
@@ -102,7 +100,7 @@ def _load_state_dict(self, state_dict):
         raise ValueError("smp: DistributedOptimizer.load_state_dict: not an optimizer state "
                          "dict (no 'param_groups')")
     model = core.state.model
-    if model is not None and model._owner is None and core.pp_size() > 1:
+    if model is not None and model.pipeline is None and core.pp_size() > 1:
         self._smp_pending_state = state_dict  # loaded after partitioning (SMP v1)
         return None
     sd = dict(state_dict)

@@ -358,6 +358,28 @@ class Engine:
         self._send_to_pp_ranks(K.STEP_END, meta, tensors)
         return out
 
+    # Note [Join with pipeline parallelism] (smp/join.py): each iteration's join state
+    # goes from the driver to its pp peers in an epoch of its own.
+    def send_join_state(self, state):
+        """Driver: opens an epoch for this iteration's join state and sends it."""
+        self.epoch += 1
+        self.p2p.begin_step(self.epoch)
+        self._send_to_pp_ranks(K.STEP_END, pickle.dumps(("smp-join", state)))
+
+    def receive_join_state(self):
+        """Peer: the driver's join state of this iteration (its ABORT raises)."""
+        self.epoch += 1
+        self.p2p.begin_step(self.epoch)
+        msg = self.p2p.recv(-1, _C.ANY, (1 << int(K.STEP_END)) | (1 << int(K.ABORT)),
+                            "this iteration's join state from the pipeline driver (pp rank 0)")
+        if msg.kind == K.ABORT:
+            raise_remote(msg.meta)
+        tag, state = pickle.loads(msg.meta)
+        if tag != "smp-join":
+            raise RuntimeError("smp.join: pipeline protocol error: expected the join state "
+                               f"from pp rank 0, got {tag!r}")
+        return state
+
     def _send_to_pp_ranks(self, kind, payload, tensors=(), to_self=False):
         """The driver's word to every other pp rank (and, with `to_self`, to itself): a
         message of `kind` outside any microbatch (ABORT, STEP_END) carrying `payload`."""

@@ -424,10 +424,15 @@ for _ in range(3):
     step(x, y)
 d1 = model._engine.dispatch.stats()
 per_mb = (d1.crossings - d0.crossings) / (d1.microbatches - d0.microbatches)
-print("crossings", json.dumps({"rank": smp.pp_rank(), "per_mb": per_mb}))
+native = d1.native_backwards - d0.native_backwards
+print("crossings", json.dumps({"rank": smp.pp_rank(), "per_mb": per_mb, "native": native}))
 """
     res = ranks(script, 2, timeout=120)
     for r in res:
         got = json.loads(r.stdout.split("crossings", 1)[1].splitlines()[0])
         print("crossings per microbatch", got)
         assert 0 < got["per_mb"] <= 3, got
+        if got["rank"] == 1:
+            # Note [Served backward]: every backward request of the 3 steps x 8
+            # microbatches ran in C++; only the forward requests entered Python.
+            assert got["native"] == 24 and got["per_mb"] < 2, got

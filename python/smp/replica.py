@@ -1,0 +1,157 @@
+"""The replica part of `smp.DistributedModel`: this rank's share of the data-parallel
+reduction (docs/data_parallel.md).
+
+`DistributedModel` is composed of two parts, each with the interface below and no
+attribute of the other read across files:
+- `Replica` (here): the dp reducer (`smp._C.Reducer`), its comm hook, the first-use
+  order its buckets follow, the broadcasts that keep the replicas equal, telling the
+  other replicas when this one fails a step, and the join state of the replica.
+- `PipelinePart` (smp/model_pipeline.py): the trace, the partition, the pipeline
+  engine and the tied weights, for partitions > 1.
+smp/join.py drives the replica's collectives through this interface.
+"""
+from smp import _C, core
+
+__all__ = []
+
+# Note [Failed peer] (smp_core/reducer.cpp): store keys <prefix>/<rank>/<step>.
+FAILED_PEER_PREFIX = "smp/failed_peer"
+
+
+class Replica:
+    """This rank's part of its dp group's reduction.
+
+    Args:
+        local_parameters: callable -> this rank's parameters (the model's own, or
+            after partitioning the ones its pp rank holds), in a fixed order.
+        local_buffers: callable -> this rank's buffers.
+        bucket_cap_mb, gradient_as_bucket_view, overlapping: the reducer's settings
+            (DistributedModel's arguments).
+    """
+
+    def __init__(self, local_parameters, local_buffers, bucket_cap_mb,
+                 gradient_as_bucket_view, overlapping):
+        self._local_parameters = local_parameters
+        self._local_buffers = local_buffers
+        self._bucket_cap_mb = bucket_cap_mb
+        self._gradient_as_bucket_view = gradient_as_bucket_view
+        self._overlapping = overlapping
+        self.reducer = None            # smp._C.Reducer, made at the first reducing step
+        self.comm_hook = None          # (state, hook) registered before the first step
+        self._first_use_order = None
+        self._record_handles = ()
+        # Join (smp/join.py): average over the initial dp size or the ranks still
+        # training, and, with partitions > 1, whether a pp peer saw every replica join.
+        self.divide_by_initial_world_size = True
+        self.pipeline_join_done = False
+
+    @property
+    def reduces(self):
+        """Whether this replica reduces gradients (config 'ddp' and more than one
+        replica)."""
+        return core.state.cfg.ddp and core.dp_size() > 1
+
+    def params(self):
+        """The parameters the reducer reduces: this rank's that require grad."""
+        return [p for p in self._local_parameters() if p.requires_grad]
+
+    def broadcast(self, tensors):
+        """dp rank 0's values of `tensors` on every replica."""
+        import torch
+        with torch.no_grad():
+            _C.broadcast_coalesced(core.get_dp_process_group(), list(tensors), 0)
+
+    def broadcast_state(self):
+        """The first step: every replica starts from dp rank 0's parameters and buffers."""
+        self.broadcast(list(self._local_parameters()) + list(self._local_buffers()))
+
+    def broadcast_buffers(self):
+        self.broadcast(list(self._local_buffers()))
+
+    def has_buffers(self):
+        return any(True for _ in self._local_buffers())
+
+    # Note [Bucket order from the first iteration]: during the first microbatch of the
+    # first step, forward pre-hooks record the order in which modules first run; the
+    # reverse of their parameters' order is when gradients will become ready, so the
+    # reducer's buckets match backward from step one. dp rank 0's order is used on all.
+    def record_first_use(self, module):
+        """Starts recording the order `module`'s submodules first use this rank's
+        parameters (once, before the reducer exists)."""
+        if self.reducer is not None or self._first_use_order is not None or not self.reduces:
+            return
+        order, seen, handles = [], set(), []
+        index = {id(p): i for i, p in enumerate(self.params())}
+
+        def pre_hook(m, _inputs):
+            for p in m.parameters(recurse=False):
+                if id(p) in index and id(p) not in seen:
+                    seen.add(id(p))
+                    order.append(index[id(p)])
+        for m in module.modules():
+            handles.append(m.register_forward_pre_hook(pre_hook))
+        self._first_use_order = order
+        self._record_handles = handles
+
+    def stop_recording(self):
+        for h in self._record_handles:
+            h.remove()
+        self._record_handles = ()
+
+    def ensure_reducer(self):
+        """Makes the reducer (every dp rank at the same step): buckets in the recorded
+        first-use order (dp rank 0's), the registered comm hook installed, a resumed
+        job's bucket layout adopted, and peers' posted failures watched."""
+        if self.reducer is not None:
+            return self.reducer
+        self.stop_recording()
+        params = self.params()
+        used = list(self._first_use_order or [])
+        rest = [i for i in range(len(params)) if i not in set(used)]
+        expected = list(reversed(used + rest))
+        expected = core.allgather(expected, core.CommGroup.DP_GROUP)[0]  # dp rank 0 decides
+        self.reducer = _C.Reducer(
+            params, core.get_dp_process_group(), bucket_cap_mb=self._bucket_cap_mb,
+            gradient_as_bucket_view=self._gradient_as_bucket_view,
+            overlapping=self._overlapping, expected_order=expected,
+            timeout_s=core.state.cfg.timeout_s)
+        if self.comm_hook is not None:
+            from smp.ddp_comm_hooks import _install
+            _install(self.reducer, *self.comm_hook)
+        from smp import auto_resume
+        auto_resume.adopt_layout(self.reducer)  # a resumed job's buckets, if any
+        # Note [Failed peer]: a replica that fails a step with no reduction posts it.
+        dp_peers = [r for r in core.get_dp_group() if r != core.rank()]
+        self.reducer.watch_peer_failures(core.state.store, FAILED_PEER_PREFIX, dp_peers)
+        return self.reducer
+
+    def fail_step(self, sync_step, error, armed):
+        """This rank's step failed (a bad input, or its body raised; pp=1 and pp>1): the
+        dp replicas are told in the step's own collectives, and raise naming this rank,
+        instead of waiting for it (Note [Failed rank] in
+        smp_core/detail/reducer_shadow.cpp): a flagged shadow step, or, once the reducer
+        was `armed` (backward had begun), the rest of the step, flagged. A step that does
+        not reduce has no collectives to tell them in: it posts the failure for the step
+        they will wait in (Note [Failed peer])."""
+        if not self.reduces:
+            return
+        if not sync_step:
+            self._post_failure(error)
+        elif self.reducer is None:
+            return  # (the first step's agreement fails every rank together)
+        elif armed:
+            self.reducer.abandon_step()
+        else:
+            self.reducer.fail_step()
+
+    def _post_failure(self, error):
+        """Note [Failed peer]: this replica will not reach the next reduction."""
+        step = self.reducer.steps_run() + 1 if self.reducer is not None else 1
+        what = str(error).splitlines()[0] if error is not None else "an error"
+        try:
+            _C.post_step_failure(
+                core.state.store, FAILED_PEER_PREFIX, core.rank(), step,
+                f"dp rank {core.dp_rank()} (rank {core.rank()}) failed a step that does not "
+                f"reduce and will not reach reduction {step} ({type(error).__name__}: {what})")
+        except Exception:  # the store is gone: the peers' own wait says more
+            pass

@@ -197,6 +197,7 @@ struct Dispatcher::Impl {
   static thread_local Impl* leading;
 
   std::atomic<int64_t> crossings{0};  // Stats::crossings
+  bool spawn_crosses = true;
   void crossed(int64_t n = 1) { crossings.fetch_add(n, std::memory_order_relaxed); }
 
   // Runs `body` on a new thread of the step; `active` counts it until it returns.
@@ -206,7 +207,7 @@ struct Dispatcher::Impl {
       ++active;
     }
     try {
-      crossed();
+      if (spawn_crosses) crossed();
       spawn([this, body = std::move(body)] {
         try {
           body();
@@ -766,6 +767,8 @@ Dispatcher::~Dispatcher() {
 }
 
 const Schedule& Dispatcher::schedule() const { return impl_->schedule; }
+
+void Dispatcher::set_spawn_crosses(bool crosses) { impl_->spawn_crosses = crosses; }
 
 void Dispatcher::set_error_raiser(ErrorRaiser raise) { impl_->raise_error = std::move(raise); }
 

@@ -69,6 +69,11 @@ class Dispatcher {
 
   const Schedule& schedule() const;
 
+  // Whether running `spawn` enters Python (a Python thread pool; the default) and so
+  // counts as a crossing in Stats; false for C++ threads (Note [Task threads] in
+  // smp_core/detail/task_pool.h).
+  void set_spawn_crosses(bool crosses);
+
   // Set once, before the first step: how raise_answer() rebuilds an error answer.
   void set_error_raiser(ErrorRaiser raise);
   // Throws the error `answer` (kError or kAbort) carries; never returns.

@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "smp_core/detail/task_pool.h"
 #include "smp_core/dispatch.h"
 #include "smp_core/errors.h"
 #include "smp_core/p2p.h"
@@ -51,6 +52,14 @@ R call_python(const SharedFn& f, Args&&... args) {
   } catch (py::error_already_set& e) {
     throw std::runtime_error(e.what());
   }
+}
+
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
 }
 
 }  // namespace
@@ -194,6 +203,38 @@ void bind_pipeline(py::module_& m) {
       .def("set_payload_group", &P2PEngine::set_payload_group, py::arg("group"),
            py::arg("transport"), py::arg("device") = "cpu")
       .def("stats", &P2PEngine::stats);
+  // Note [Task threads] (smp_core/detail/task_pool.h): each thread holds one Python
+  // thread state for its life, taken at its start and given back at its end unless
+  // the interpreter is finalizing then (a thread state cannot be freed then; it is
+  // left to the process's exit).
+  py::class_<detail::TaskPool, std::shared_ptr<detail::TaskPool>>(m, "TaskPool")
+      .def(py::init([](const std::string& name) {
+             static thread_local PyThreadState* own = nullptr;
+             auto start = [] {
+               PyGILState_Ensure();
+               own = PyEval_SaveThread();
+             };
+             auto exit = [] {
+               if (!own || !Py_IsInitialized() || python_finalizing()) return;
+               PyEval_RestoreThread(own);
+               own = nullptr;
+               PyGILState_Release(PyGILState_UNLOCKED);
+             };
+             // Dropped with the GIL held (the last reference is Python's): its threads
+             // need the GIL to end, so it is let go of while they stop.
+             return std::shared_ptr<detail::TaskPool>(
+                 new detail::TaskPool(name, start, exit), [](detail::TaskPool* pool) {
+                   if (Py_IsInitialized() && PyGILState_Check()) {
+                     py::gil_scoped_release nogil;
+                     delete pool;
+                   } else {
+                     delete pool;
+                   }
+                 });
+           }), py::arg("name"))
+      .def("stop", &detail::TaskPool::stop, release())
+      .def_property_readonly("threads", &detail::TaskPool::threads)
+      .def_property_readonly("idle", &detail::TaskPool::idle);
   // Serving and dispatch (smp_core/dispatch.h). `handler(msg) -> Message` runs a request;
   // `spawn(fn)` runs the no-argument callable fn on a (persistent) Python thread.
   py::class_<Dispatcher::Stats>(m, "DispatchStats")
@@ -210,10 +251,26 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("backward_s", &Dispatcher::Stats::backward_s);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
-                       py::function handler, py::function spawn, py::object encode_error,
+                       py::function handler, py::object spawn, py::object encode_error,
                        py::object raise_error) {
              auto h = share(std::move(handler));
-             auto sp = share(std::move(spawn));
+             // `spawn`: a TaskPool (C++ threads, Note [Task threads]) or a Python
+             // callable `spawn(fn)` that runs fn on a thread of its own.
+             Dispatcher::Spawn run_on;
+             const bool native = py::isinstance<detail::TaskPool>(spawn);
+             if (native) {
+               auto pool = spawn.cast<std::shared_ptr<detail::TaskPool>>();
+               run_on = [pool](std::function<void()> body) { pool->spawn(std::move(body)); };
+             } else {
+               auto sp = share(spawn.cast<py::function>());
+               run_on = [sp](std::function<void()> body) {
+                 py::gil_scoped_acquire gil;
+                 call_python<void>(sp, py::cpp_function([body = std::move(body)] {
+                   py::gil_scoped_release nogil;
+                   body();
+                 }));
+               };
+             }
              Dispatcher::ErrorEncoder enc;
              if (!encode_error.is_none()) {
                auto e = share(encode_error.cast<py::function>());
@@ -250,14 +307,8 @@ void bind_pipeline(py::module_& m) {
                                               ", not a Message or (Message, inputs, outputs)");
                    }
                  },
-                 [sp](std::function<void()> body) {
-                   py::gil_scoped_acquire gil;
-                   call_python<void>(sp, py::cpp_function([body = std::move(body)] {
-                     py::gil_scoped_release nogil;
-                     body();
-                   }));
-                 },
-                 std::move(enc));
+                 std::move(run_on), std::move(enc));
+             d->set_spawn_crosses(!native);
              *self = d;
              if (!raise_error.is_none()) {
                // raise_error(meta) raises the answer's exception. It must reach the

@@ -39,7 +39,6 @@ from smp.nested import TensorSlot, map_leaves, unflatten
 from smp.remote_call import Call, encode_outputs, encode_request, request_plan
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
-from smp.workers import Workers
 from smp.timeline import timeline
 
 __all__ = []
@@ -104,14 +103,17 @@ class Engine:
         # dispatcher's: compute_s; the rest of the compute-token time is smp's
         # per-request overhead; bench/pipeline.py).
         self._forward_s = 0.0
-        self.workers = Workers("smp-task")
+        # Note [Task threads] (smp_core/detail/task_pool.h): persistent C++ threads,
+        # each with a Python thread state of its own, entering Python only to serve a
+        # request or run a step body.
+        self.threads = _C.TaskPool("smp-task")
         # The one source of order: token priorities, receive order, the driver's window
         # and the "simple" barrier all come from the C++ schedule (smp_core/scheduler.h),
         # applied by the C++ dispatcher, which hands this engine the work to run.
         self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, core.pp_size(),
                                     self.cfg.active_microbatches)
         self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self._handle,
-                                      self.workers.spawn, _encode_error, self._raise_answer)
+                                      self.threads, _encode_error, self._raise_answer)
         # Note [Served backward] (smp_core/dispatch.h): a served forward that recorded a
         # graph leaves its inputs and outputs to the dispatcher, which serves the call's
         # backward in C++; a failure there comes back here to be answered.
@@ -347,7 +349,6 @@ class Engine:
         try:
             self.dispatch.drive(run)
         finally:
-            self.workers.wait_idle(self.cfg.timeout_s)
             self._timeline_spans()
         if errors:
             self.log_failure(errors[0])
@@ -395,7 +396,6 @@ class Engine:
         try:
             msg = self.dispatch.serve_step()
         finally:
-            self.workers.wait_idle(self.cfg.timeout_s)
             self._timeline_spans()
         if msg.kind == K.ABORT:
             exc, text, origin = remote_exception(msg.meta)
@@ -430,6 +430,6 @@ class Engine:
         self._backward_ran = True
 
     def shutdown(self):
-        self.workers.stop()
+        self.threads.stop()
         self.dispatch = None  # it holds this engine's handler: break the cycle
         self.p2p = None

@@ -297,6 +297,7 @@ struct Dispatcher::Impl {
   Message serve_backward(const Message& msg, Kept k) {
     Message answer;
     const auto t0 = std::chrono::steady_clock::now();
+    double autograd_s = 0;  // torch's own work (Stats::backward_s), not smp's around it
     try {
       const std::vector<bool> flags =
           parse_gradient_flags(msg.meta, k.outputs.size(), "a backward request");
@@ -314,7 +315,11 @@ struct Dispatcher::Impl {
                                 msg.mb, " (call ", msg.call_id, ") flags ",
                                 std::count(flags.begin(), flags.end(), true),
                                 " gradients and carries ", msg.tensors.size()));
-      if (!outs.empty()) torch::autograd::backward(outs, grads);
+      if (!outs.empty()) {
+        const auto a = std::chrono::steady_clock::now();
+        torch::autograd::backward(outs, grads);
+        autograd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+      }
       std::vector<bool> present;
       for (const at::Tensor& t : k.inputs) {
         at::Tensor g = t.defined() && t.requires_grad() ? t.grad() : at::Tensor();
@@ -332,7 +337,7 @@ struct Dispatcher::Impl {
     const auto t1 = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(mu);
     stats.native_backwards++;
-    stats.backward_s += std::chrono::duration<double>(t1 - t0).count();
+    stats.backward_s += autograd_s;
     if (spans_on) spans.emplace_back(msg.mb, seconds(t0), seconds(t1));
     return answer;
   }

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/auth.h"
 #include "smp_core/errors.h"
 
@@ -128,11 +129,13 @@ bool establish_job_key(const StorePtr& store, int rank, int world_size, double t
   const bool from_env = !secret.empty();
   if (!from_env) {
     // Note [Job secret]: no secret was given; rank 0 draws one. compareSet keeps the
-    // first one drawn should this store see a second init.
+    // first one drawn should this store see a second init; the helper also wakes the
+    // ranks already waiting for it (torch 1.13's compareSet does not).
     const std::string key = "smp/auth/drawn_secret";
     if (rank == 0) {
       const std::string mine = auth::to_hex(auth::random_bytes(auth::kKeyBytes));
-      const auto got = store->compareSet(key, {}, std::vector<uint8_t>(mine.begin(), mine.end()));
+      const auto got = compat::compare_set_and_wake(
+          store, key, {}, std::vector<uint8_t>(mine.begin(), mine.end()));
       secret.assign(got.begin(), got.end());
     } else {
       try {

@@ -26,4 +26,14 @@ ProcessGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
 
 std::string backend_name(const ProcessGroupPtr& pg) { return pg->getBackendName(); }
 
+std::vector<uint8_t> compare_set_and_wake(const StorePtr& store, const std::string& key,
+                                          const std::vector<uint8_t>& expected,
+                                          const std::vector<uint8_t>& desired) {
+  std::vector<uint8_t> now = store->compareSet(key, expected, desired);
+  // On torch 2.x compareSet already woke the waiters; the set costs one round trip at
+  // init and keeps one code path.
+  store->set(key, now);
+  return now;
+}
+
 }  // namespace smp::compat

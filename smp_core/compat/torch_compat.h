@@ -10,6 +10,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -51,6 +52,16 @@ auto make_node(Args&&... args) {
     return std::shared_ptr<T>(new T(std::forward<Args>(args)...));
   }
 }
+
+// store->compareSet(key, expected, desired), then the value it left under `key` set
+// again: torch 1.13's TCPStore server does not wake the clients waiting on `key`
+// (Store::wait) when a compareSet creates it, so a rank that began waiting before it
+// waited out its whole timeout (seen as a hang in smp.init, about one start in ten,
+// Note [Job secret]). A set of the same value wakes them on every torch. Returns the
+// value now under `key`.
+std::vector<uint8_t> compare_set_and_wake(const StorePtr& store, const std::string& key,
+                                          const std::vector<uint8_t>& expected,
+                                          const std::vector<uint8_t>& desired);
 
 // Name of the backend of `pg` ("gloo", "nccl", ...).
 std::string backend_name(const ProcessGroupPtr& pg);

@@ -1,9 +1,14 @@
 #include "smp_core/comm.h"
 #include "smp_core/detail/auth.h"
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <thread>
+
 #include <gtest/gtest.h>
 
 #include "../common/gloo_world.h"
+#include "smp_core/compat/torch_compat.h"
 #include "smp_core/errors.h"
 
 namespace smp {
@@ -76,6 +81,40 @@ TEST(Comm, StoreExchangeNamesMissingRanks) {
   store_set_sealed(store, "ex/1", "y");
   auto all = store_exchange(store, "ex", 0, 3, "a", 1, "x");
   EXPECT_EQ(all, (std::vector<std::string>{"a", "y", "z"}));
+}
+
+// compat::compare_set_and_wake (Note [Job secret]): a rank that began waiting for the
+// key before rank 0 created it is woken, on a real TCPStore (torch 1.13's server did not
+// wake waiters on compareSet: the wait ran out its timeout); a second compareSet keeps
+// the first value.
+TEST(Comm, CompareSetWakesARankAlreadyWaiting) {
+  c10d::TCPStoreOptions opts;
+  opts.port = 0;
+  opts.isServer = true;
+  opts.numWorkers = 2;
+  opts.waitWorkers = false;
+  opts.timeout = std::chrono::seconds(60);
+  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+  opts.isServer = false;
+  opts.port = server->getPort();
+  auto client = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+  std::exception_ptr waited;
+  std::thread waiter([&] {
+    try {
+      client->wait({"drawn"}, std::chrono::seconds(30));
+    } catch (...) {
+      waited = std::current_exception();
+    }
+  });
+  // The waiter registers with the server well before the key exists (it holds the
+  // waiter otherwise, which the wait above would also pass).
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::vector<uint8_t> first{'a'}, second{'b'};
+  EXPECT_EQ(compat::compare_set_and_wake(server, "drawn", {}, first), first);
+  waiter.join();
+  EXPECT_FALSE(waited) << "the waiting rank was not woken";
+  EXPECT_EQ(client->get("drawn"), first);
+  EXPECT_EQ(compat::compare_set_and_wake(server, "drawn", {}, second), first);
 }
 
 // Note [Job secret]: a value written without the job's key (a stranger on the store, or

@@ -6,18 +6,19 @@ transport (`smp._C.P2PEngine`); the owner runs the module under autograd and ans
 with the outputs. The call is one node of the caller's autograd graph, made in C++
 (Note [Remote call node] in smp_core/remote_call.h): its backward sends the output
 gradients to the owner and waits for the input gradients, which the owner computes on
-the graph it recorded for that call, without entering Python on the caller.
+the graph it recorded for that call, without entering Python on either side (Note
+[Served backward] in smp_core/dispatch.h).
 
-Tasks: the driver (pp rank 0) runs the step body once per microbatch, each in a
-thread; every other rank serves all microbatches' requests with one leading thread.
+Tasks: the driver (pp rank 0) runs the step body once per microbatch, each on a C++
+task thread (Note [Task threads] in smp_core/detail/task_pool.h); every other rank
+serves all microbatches' requests with one leading thread.
 Which thread runs what and when is decided in C++ (`smp._C.Dispatcher`,
 smp_core/dispatch.h, Note [Serving]) from the schedule (smp_core/scheduler.h): the
 receive order, the compute token's priorities, the driver's window and the hand-off of
 the lead when a request makes a nested call. A task computes only while it holds the
 rank's compute token, and gives it up while it waits for a message, so another
 microbatch's work proceeds: that is the pipeline. Python runs what it is handed: a
-module's forward or backward (`Engine.serve`), or one microbatch's step body
-(`Engine._drive`). Messages are matched by (microbatch, call id, kind), never by
+module's forward (`Engine.serve`), or one microbatch's step body (`Engine._drive`). Messages are matched by (microbatch, call id, kind), never by
 arrival order.
 
 Failures: a module that raises on its owner is answered with an ERROR carrying the

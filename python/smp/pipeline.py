@@ -284,8 +284,7 @@ class Engine:
         self.counters.clear()
         self.own_errors = []
         self._backward_ran = False
-        self.epoch += 1
-        self.p2p.begin_step(self.epoch)  # Note [Step epochs] in smp_core/p2p.h
+        self._open_epoch()
         timeline.begin_step()  # SMP_TIMELINE_STEPS counts the pipelined steps
         # Deterministic: a microbatch's random numbers do not depend on timing, the
         # schedule or the partitioning (Note [Microbatch random streams] in
@@ -304,6 +303,13 @@ class Engine:
         self._log_new_plan()
         return out
 
+    def _open_epoch(self):
+        """The next step-level exchange (a step, an abort, a join state) in an epoch of
+        its own, the same sequence on every pp rank (Note [Step epochs] in
+        smp_core/p2p.h)."""
+        self.epoch += 1
+        self.p2p.begin_step(self.epoch)
+
     def _log_new_plan(self):
         """The driver says once which plan its steps execute, and again when it changes."""
         planned = self.dispatch.stats().planned_steps
@@ -318,8 +324,7 @@ class Engine:
     def abort_step(self, exc):
         """On the driver: this step cannot start (a bad input). Every pp rank, serving
         the step, raises `exc`'s message; so does the driver."""
-        self.epoch += 1
-        self.p2p.begin_step(self.epoch)
+        self._open_epoch()
         timeline.begin_step()  # the owners count this step in run_step
         self._send_to_pp_ranks(K.ABORT, error_payload(exc))
         raise exc
@@ -364,14 +369,12 @@ class Engine:
     # goes from the driver to its pp peers in an epoch of its own.
     def send_join_state(self, state):
         """Driver: opens an epoch for this iteration's join state and sends it."""
-        self.epoch += 1
-        self.p2p.begin_step(self.epoch)
+        self._open_epoch()
         self._send_to_pp_ranks(K.STEP_END, pickle.dumps(("smp-join", state)))
 
     def receive_join_state(self):
         """Peer: the driver's join state of this iteration (its ABORT raises)."""
-        self.epoch += 1
-        self.p2p.begin_step(self.epoch)
+        self._open_epoch()
         msg = self.p2p.recv(-1, _C.ANY, (1 << int(K.STEP_END)) | (1 << int(K.ABORT)),
                             "this iteration's join state from the pipeline driver (pp rank 0)")
         if msg.kind == K.ABORT:

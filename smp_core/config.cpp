@@ -192,14 +192,16 @@ Config Config::from_json(const std::string& text, int rank) {
   c.partitions = p.has("partitions") ? p.get_int("partitions", 1, 1)
                                      : p.get_int("pipeline_parallel_degree", 1, 1);
   c.microbatches = p.get_int("microbatches", 1, 1);
-  // smp_core/plan.h compiles zero_bubble too; the runtime cannot split a backward into
-  // its input and weight halves yet, so it is refused by name rather than run as 1f1b.
-  if (p.has("pipeline") && obj["pipeline"] == "zero_bubble")
-    p.fail("pipeline", obj["pipeline"],
-           "executable yet: smp plans it (smp._C.Plan) but does not split a backward into "
-           "input- and weight-gradient actions; use one of {interleaved, simple, 1f1b}");
-  c.pipeline = p.get_choice("pipeline", "interleaved", {"interleaved", "simple", "1f1b"});
-  c.pipeline_order = p.get_choice("pipeline_order", "dynamic", {"dynamic", "planned"});
+  c.pipeline = p.get_choice("pipeline", "interleaved", {"interleaved", "simple", "1f1b", "zero_bubble"});
+  // zero_bubble's weight-gradient actions go where its plan puts them: it runs planned
+  // (Note [Executed plan] in smp_core/dispatch.cpp), so "planned" is its default and
+  // "dynamic" is refused rather than silently run as 1f1b.
+  if (c.pipeline == "zero_bubble" && p.has("pipeline_order") && obj["pipeline_order"] == "dynamic")
+    p.fail("pipeline_order", obj["pipeline_order"],
+           "usable with 'pipeline'='zero_bubble', which places its weight-gradient actions "
+           "by its plan; use \"planned\" or leave 'pipeline_order' unset");
+  c.pipeline_order = p.get_choice("pipeline_order", c.pipeline == "zero_bubble" ? "planned" : "dynamic",
+                                  {"dynamic", "planned"});
   c.ddp = p.get_bool("ddp", false);
   c.placement_strategy = p.get_choice("placement_strategy", "cluster", placement_choices());
   c.optimize = p.get_choice("optimize", "speed", {"speed", "memory"});

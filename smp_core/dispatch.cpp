@@ -5,6 +5,7 @@
 #include <cstring>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -17,6 +18,7 @@
 
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/autograd_graph.h"
+#include "smp_core/detail/split_backward.h"
 #include "smp_core/errors.h"
 #include "smp_core/remote_call.h"
 #include "smp_core/task.h"
@@ -88,6 +90,7 @@ PlanKind plan_kind_of(ScheduleKind kind) {
   switch (kind) {
     case ScheduleKind::kSimple: return PlanKind::kSimple;
     case ScheduleKind::kOneFOneB: return PlanKind::k1F1B;
+    case ScheduleKind::kZeroBubble: return PlanKind::kZeroBubble;
     case ScheduleKind::kInterleaved: break;
   }
   return PlanKind::kInterleaved;
@@ -113,6 +116,10 @@ std::vector<int64_t> path_of(const std::vector<std::pair<int, bool>>& calls) {
   if (path.size() < 3 || calls_on(path) != calls) return {};
   return path;
 }
+
+// The admission phase of a W action (Note [Zero bubble at run time]); F and B/I use
+// Phase's values.
+constexpr int32_t kWeightPhase = 2;
 
 std::string encode_ints(const std::vector<int64_t>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
@@ -176,6 +183,12 @@ struct Dispatcher::Impl {
     std::vector<at::Tensor> inputs, outputs;
   };
   std::map<std::tuple<int, int64_t, int64_t>, Kept> kept;  // (src, mb, call id) ->
+  // Note [Zero bubble at run time].
+  bool split_step = false;  // this step's plan is zero_bubble (driver and serving ranks)
+  std::map<int64_t, std::deque<detail::WeightHalf>> weights;  // serving: mb -> pending W
+  int64_t weights_left = 0;   // serving: W of the plan not yet run
+  bool weights_owed = false;  // serving: the driver awaits this step's kWeightsDone
+  std::string weight_error;   // serving: the first W that failed (its encoded error)
   FailureEncoder encode_failure;
   bool spans_on = false;
   std::vector<std::tuple<int64_t, double, double>> spans;
@@ -254,8 +267,12 @@ struct Dispatcher::Impl {
     if (!installed) task_rng::install(msg.rng);
     Message answer;
     std::optional<Kept> mine = msg.kind == kBackwardRequest ? take_kept(msg) : std::nullopt;
+    // Note [Zero bubble at run time]: I now, W at its turn; a backward run whole comes
+    // after the W still pending (the step left its plan), as microbatch order wants.
+    const bool split = mine && splitting_now();
+    if (msg.kind == kBackwardRequest && !split) run_weights_held();
     if (mine) {
-      answer = serve_backward(msg, std::move(*mine));
+      answer = serve_backward(msg, std::move(*mine), split);
     } else {
       try {
         crossed();
@@ -271,7 +288,7 @@ struct Dispatcher::Impl {
     auto t1 = std::chrono::steady_clock::now();
     p2p->send(msg.src, answer);
     auto t2 = std::chrono::steady_clock::now();
-    if (msg.kind == kBackwardRequest) backward_unit_over(msg.mb);
+    if (msg.kind == kBackwardRequest && !split) backward_unit_over(msg.mb);  // split: at its W
     std::lock_guard<std::mutex> lock(mu);
     stats.requests++;
     stats.handler_s += std::chrono::duration<double>(t1 - t0).count();
@@ -293,8 +310,9 @@ struct Dispatcher::Impl {
 
   // Note [Served backward]: the backward of a kept call, in C++ (the token is held).
   // A failure becomes the caller's kError answer; the rank goes on serving, as with a
-  // module that raised in the handler.
-  Message serve_backward(const Message& msg, Kept k) {
+  // module that raised in the handler. `split`: only its input half (Note [Split
+  // backward]); the weight half waits for its W.
+  Message serve_backward(const Message& msg, Kept k, bool split) {
     Message answer;
     const auto t0 = std::chrono::steady_clock::now();
     double autograd_s = 0;  // torch's own work (Stats::backward_s), not smp's around it
@@ -315,23 +333,35 @@ struct Dispatcher::Impl {
                                 msg.mb, " (call ", msg.call_id, ") flags ",
                                 std::count(flags.begin(), flags.end(), true),
                                 " gradients and carries ", msg.tensors.size()));
-      if (!outs.empty()) {
-        const auto a = std::chrono::steady_clock::now();
-        torch::autograd::backward(outs, grads);
-        autograd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+      std::vector<at::Tensor> in_grads(k.inputs.size());
+      detail::WeightHalf weight;
+      const auto a = std::chrono::steady_clock::now();
+      if (split) {
+        if (!outs.empty()) in_grads = detail::backward_input_half(outs, grads, k.inputs, &weight);
+      } else {
+        if (!outs.empty()) torch::autograd::backward(outs, grads);
+        for (size_t i = 0; i < k.inputs.size(); ++i) {
+          const at::Tensor& t = k.inputs[i];
+          if (t.defined() && t.requires_grad()) in_grads[i] = t.grad();
+        }
       }
+      autograd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
       std::vector<bool> present;
-      for (const at::Tensor& t : k.inputs) {
-        at::Tensor g = t.defined() && t.requires_grad() ? t.grad() : at::Tensor();
+      for (at::Tensor& g : in_grads) {
         present.push_back(g.defined());
         if (g.defined()) answer.tensors.push_back(std::move(g));
+      }
+      if (split) {  // even an empty one: its W counts the call's backward as over
+        std::lock_guard<std::mutex> lock(mu);
+        weights[msg.mb].push_back(std::move(weight));
+        stats.split_backwards++;
       }
       answer.kind = kBackwardResponse;
       answer.meta = gradient_flags(present);
     } catch (...) {
       answer = Message();
       answer.kind = kError;
-      answer.meta = failure_meta(std::current_exception(), msg.mb);
+      answer.meta = failure_meta(std::current_exception(), msg.mb, false);
     }
     k = Kept();  // the call's graph goes now, not with the step
     const auto t1 = std::chrono::steady_clock::now();
@@ -342,10 +372,10 @@ struct Dispatcher::Impl {
     return answer;
   }
 
-  std::string failure_meta(std::exception_ptr error, int64_t mb) noexcept {
+  std::string failure_meta(std::exception_ptr error, int64_t mb, bool weight) noexcept {
     if (encode_failure) {
       try {
-        return encode_failure(error, mb);
+        return encode_failure(error, mb, weight);
       } catch (...) {
       }
     }
@@ -377,9 +407,177 @@ struct Dispatcher::Impl {
   }
 
   void drop_kept() {
+    // Destroyed after the lock: a graph may hold Python nodes, whose end takes the GIL.
     std::map<std::tuple<int, int64_t, int64_t>, Kept> gone;
+    std::map<int64_t, std::deque<detail::WeightHalf>> gone_weights;
     std::lock_guard<std::mutex> lock(mu);
     gone.swap(kept);
+    gone_weights.swap(weights);
+  }
+
+  // Note [Zero bubble at run time]
+  // Under zero_bubble a step with a plan splits every served backward (the serving
+  // ranks' hops; the driver's run whole, PlanOptions::unsplit_rank): the answer carries
+  // the input gradients of I, and the call's W waits in `weights` until the serving
+  // leader reaches that W in the plan, where it runs it with the token at the W's
+  // position. W is the call's gradient work on this rank, so Note [Gradient order]
+  // counts the call's backward over when its W has run, and the plan keeps each rank's
+  // W in microbatch order. A step that leaves its plan runs every W still pending at
+  // once, in microbatch order, before any backward whole. Each serving rank of such a
+  // step tells the driver once that its W are over (kWeightsDone, carrying the first
+  // W's error if one failed): after its last planned W, or after the W it ran when the
+  // step left its plan; and the driver ends the step only then, so the step's end and
+  // its gradients (the reducer's, the optimizer's) come after every W, and a W that
+  // failed fails the step on every rank (the driver aborts it with that error).
+  bool splitting_now() {
+    std::lock_guard<std::mutex> lock(mu);
+    return split_step && plan_on;
+  }
+
+  // Runs one W as the token's holder, its microbatch the task's meanwhile (the gate's).
+  void run_one_weight(int64_t mb, detail::WeightHalf w) {
+    TaskContext* task = current_task();
+    const int64_t saved = task ? task->mb.load() : -1;
+    if (task) task->mb = mb;
+    const auto t0 = std::chrono::steady_clock::now();
+    bool failed = false;
+    try {
+      w.run();
+    } catch (...) {
+      failed = true;
+      weight_failed(std::current_exception(), mb);
+    }
+    w = detail::WeightHalf();  // the graph goes now
+    const auto t1 = std::chrono::steady_clock::now();
+    if (task) task->mb = saved;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stats.weight_actions++;
+      stats.backward_s += std::chrono::duration<double>(t1 - t0).count();
+      if (spans_on) spans.emplace_back(mb, seconds(t0), seconds(t1));
+    }
+    if (!failed) backward_unit_over(mb);
+  }
+
+  // Every pending W, microbatch by microbatch (the caller holds the token).
+  void run_weights_held() {
+    while (true) {
+      int64_t mb = -1;
+      detail::WeightHalf w;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (weights.empty()) return;
+        auto it = weights.begin();
+        mb = it->first;
+        w = std::move(it->second.front());
+        it->second.pop_front();
+        if (it->second.empty()) weights.erase(it);
+      }
+      run_one_weight(mb, std::move(w));
+    }
+  }
+
+  // The serving leader, at a W's turn in the plan.
+  void run_planned_weight(int64_t mb) {
+    TaskContext task;
+    task.mb = mb;
+    TaskScope scope(&task);
+    p2p->acquire_token(admit(mb, kWeightPhase));
+    struct Release {
+      P2PEngine& p;
+      ~Release() { p.release_token(); }
+    } release{*p2p};
+    std::optional<detail::WeightHalf> w;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = weights.find(mb);
+      if (it != weights.end()) {  // else its I failed: the step is failing
+        w = std::move(it->second.front());
+        it->second.pop_front();
+        if (it->second.empty()) weights.erase(it);
+      }
+    }
+    if (w) run_one_weight(mb, std::move(*w));
+    bool last = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      last = --weights_left == 0;
+    }
+    if (last) report_weights();
+  }
+
+  // The serving leader, once the step left its plan: the W still pending, then the word.
+  bool weights_to_flush() {
+    std::lock_guard<std::mutex> lock(mu);
+    return !plan_on && (!weights.empty() || weights_owed);
+  }
+
+  void flush_weights() {
+    int64_t first = -1;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!weights.empty()) first = weights.begin()->first;
+    }
+    if (first >= 0) {
+      TaskContext task;
+      task.mb = first;
+      TaskScope scope(&task);
+      p2p->acquire_token(schedule.priority(first, Phase::kBackward));
+      struct Release {
+        P2PEngine& p;
+        ~Release() { p.release_token(); }
+      } release{*p2p};
+      run_weights_held();
+    }
+    report_weights();
+  }
+
+  void weight_failed(std::exception_ptr error, int64_t mb) {
+    std::string meta = failure_meta(error, mb, /*weight=*/true);
+    std::map<int64_t, std::deque<detail::WeightHalf>> gone;  // the step fails: no more W
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!weight_error.empty()) return;
+      weight_error = std::move(meta);
+      gone.swap(weights);
+    }
+    report_weights();
+  }
+
+  // Serving: this step's kWeightsDone to the driver, once.
+  void report_weights() noexcept {
+    Message m;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!weights_owed) return;
+      weights_owed = false;
+      m.meta = weight_error;
+    }
+    m.mb = -1;
+    m.call_id = p2p->rank();
+    m.kind = kWeightsDone;
+    try {
+      p2p->send(0, m);
+    } catch (...) {  // the driver gone: the step fails on its own
+    }
+  }
+
+  // Driver, every microbatch returned: each serving rank's kWeightsDone (the first that
+  // carries an error, if any), or nothing when the step was aborted meanwhile.
+  std::optional<Message> await_weights() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!split_step || error) return std::nullopt;
+    }
+    std::optional<Message> failed;
+    for (int r = 1; r < p2p->size(); ++r) {
+      Message m = p2p->recv(kAny, r, bit(kWeightsDone) | bit(kAbort),
+                            str_cat("the end of pp rank ", r, "'s weight-gradient actions (W, "
+                                    "'pipeline'='zero_bubble') of this step"));
+      if (m.kind == kAbort) return std::nullopt;
+      if (!m.meta.empty() && !failed) failed = std::move(m);
+    }
+    return failed;
   }
 
   // Tells the caller of `msg` that running it failed (best effort: it may be gone).
@@ -444,9 +642,17 @@ struct Dispatcher::Impl {
         // Under a plan the leader takes the request whose turn it is and no other, so
         // that it never waits for the token holding a request while the one next in the
         // plan sits in the mailbox (Note [Executed plan]).
+        if (weights_to_flush()) {  // Note [Zero bubble at run time]: the step left its plan
+          flush_weights();
+          continue;
+        }
         int64_t want_mb = kAny;
         uint32_t mask = kServeMask | bit(kStepEnd) | bit(kPlan);
         if (const auto next = next_planned_request()) {
+          if (next->second == kOwnWeight) {
+            run_planned_weight(next->first);
+            continue;
+          }
           want_mb = next->first;
           mask = bit(next->second) | bit(kAbort) | bit(kStepEnd) | bit(kPlanOff);
         }
@@ -458,10 +664,20 @@ struct Dispatcher::Impl {
         }
         if (msg.kind == kPlan) {  // Note [Executed plan]: the driver's, before its requests
           const std::vector<int64_t> words = decode_ints(msg.meta);
+          if (schedule.options().kind == ScheduleKind::kZeroBubble) {
+            std::lock_guard<std::mutex> lock(mu);
+            weights_owed = true;  // the driver waits for this step's kWeightsDone
+          }
           const bool ok = words.size() >= 2 &&
                           install_plan(words[0], std::vector<int64_t>(words.begin() + 1, words.end()));
           if (ok) p2p->order_token(true);
           else leave_plan();
+          bool none_deferred;
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            none_deferred = !ok || weights_left == 0;
+          }
+          if (none_deferred) report_weights();
           continue;
         }
         if (!is_request(msg)) {  // the step's end or abort: serve_step returns it
@@ -586,6 +802,7 @@ struct Dispatcher::Impl {
                     PlanCosts{}};
       o.gradient_order = true;
       o.fused_last = so.kind != ScheduleKind::kSimple;
+      if (so.kind == ScheduleKind::kZeroBubble) o.unsplit_rank = 0;  // the driver's run whole
       p = Plan::compile(o);
     } catch (const std::exception&) {
       return false;
@@ -596,15 +813,20 @@ struct Dispatcher::Impl {
     std::vector<Action> mine;
     std::map<std::tuple<int64_t, int32_t, int64_t>, int64_t> pos;
     std::map<std::pair<int64_t, int32_t>, int64_t> count;
+    int64_t weight_actions = 0;
     for (const Action& a : p->compute()[me]) {
       if (absorb && a.op == Op::kBackward && a.hop == last) continue;
-      if (a.op != Op::kForward && a.op != Op::kBackward) return false;  // no I/W at run time
-      const int32_t phase = static_cast<int32_t>(a.op == Op::kForward ? Phase::kForward
-                                                                         : Phase::kBackward);
+      // I is what a backward request runs under zero_bubble (Note [Zero bubble at run time]).
+      const int32_t phase = a.op == Op::kForward          ? static_cast<int32_t>(Phase::kForward)
+                            : a.op == Op::kBackwardWeight ? kWeightPhase
+                                                          : static_cast<int32_t>(Phase::kBackward);
+      weight_actions += a.op == Op::kBackwardWeight;
       pos[{a.mb, phase, count[{a.mb, phase}]++}] = static_cast<int64_t>(mine.size());
       mine.push_back(a);
     }
     std::lock_guard<std::mutex> lock(mu);
+    split_step = p->options().kind == PlanKind::kZeroBubble;
+    weights_left = weight_actions;
     plan = std::move(p);
     admissions = std::move(mine);
     position = std::move(pos);
@@ -621,11 +843,14 @@ struct Dispatcher::Impl {
   }
 
   // The token priority of a task starting its next action of (mb, phase) here.
-  int64_t admit(int64_t mb, Phase phase) {
+  int64_t admit(int64_t mb, Phase phase) { return admit(mb, static_cast<int32_t>(phase)); }
+  int64_t admit(int64_t mb, int32_t action_phase) {
+    const Phase phase = action_phase == static_cast<int32_t>(Phase::kForward) ? Phase::kForward
+                                                                              : Phase::kBackward;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (!plan_on) return schedule.priority(mb, phase);
-      const auto key = std::make_pair(mb, static_cast<int32_t>(phase));
+      const auto key = std::make_pair(mb, action_phase);
       const int64_t n = admitted[key]++;
       auto it = position.find({mb, key.second, n});
       if (it != position.end()) return it->second;
@@ -655,14 +880,17 @@ struct Dispatcher::Impl {
     }
   }
 
-  // A serving leader: the microbatch and request kind of the action whose turn it is,
-  // while this rank executes a plan.
+  // A serving leader: the microbatch and request kind of the action whose turn it is
+  // (kOwnWeight: a W this rank runs of itself), while this rank executes a plan.
+  static constexpr int32_t kOwnWeight = -1;
   std::optional<std::pair<int64_t, int32_t>> next_planned_request() {
     const int64_t next = p2p->next_planned();
     std::lock_guard<std::mutex> lock(mu);
     if (!plan_on || next < 0 || next >= static_cast<int64_t>(admissions.size())) return {};
     const Action& a = admissions[next];
-    return std::make_pair(a.mb, a.op == Op::kForward ? kRequest : kBackwardRequest);
+    return std::make_pair(a.mb, a.op == Op::kForward          ? kRequest
+                                : a.op == Op::kBackwardWeight ? kOwnWeight
+                                                              : kBackwardRequest);
   }
 
   // Another rank's kPlanOff: this rank leaves the plan too (counted here as well).
@@ -811,6 +1039,10 @@ void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_c
   // or by the driver's kPlan (a serving rank).
   impl_->plan_wanted = planned;
   impl_->plan_on = false;
+  impl_->split_step = false;  // Note [Zero bubble at run time]
+  impl_->weights_left = 0;
+  impl_->weights_owed = false;
+  impl_->weight_error.clear();
   impl_->admitted.clear();
   impl_->calls.assign(static_cast<size_t>(std::max<int64_t>(microbatches, 0)), {});
   impl_->nested_seen = false;
@@ -896,10 +1128,27 @@ void Dispatcher::drive(MicrobatchFn run) {
     }
   }
   I.join();
+  // Note [Zero bubble at run time]: the step ends once every serving rank's W are over.
+  std::optional<Message> weight_failure;
+  if (!start_error) weight_failure = I.await_weights();
   I.leave_plan_quietly();
   I.drop_kept();
   if (start_error) std::rethrow_exception(start_error);
   I.rethrow_error();
+  if (weight_failure) {  // every pp rank raises it, the driver too
+    Message abort;
+    abort.mb = -1;
+    abort.kind = kAbort;
+    abort.meta = weight_failure->meta;
+    for (int r = 1; r < I.p2p->size(); ++r) {
+      try {
+        I.p2p->send(r, abort);
+      } catch (...) {  // a peer gone: its own failure ends its step
+      }
+    }
+    weight_failure->kind = kError;
+    raise_answer(*weight_failure);
+  }
   I.record_path();
 }
 
@@ -1072,7 +1321,9 @@ std::string Dispatcher::plan_text(const FailedCell* failed) const {
   if (!failed || failed->stage < 0 || failed->stage >= static_cast<int64_t>(p.compute().size()))
     return p.format();
   // The failed cell's first action of its phase on its rank.
-  const Op op = failed->phase == Phase::kForward ? Op::kForward : Op::kBackward;
+  const Op op = failed->phase == Phase::kForward ? Op::kForward
+                : failed->weight                 ? Op::kBackwardWeight
+                                                 : Op::kBackward;
   for (const Action& a : p.compute().at(failed->stage))
     if (a.mb == failed->mb && (a.op == op || (op == Op::kBackward && a.op == Op::kBackwardInput)))
       return p.format(&a, failed->stage);

@@ -148,8 +148,10 @@ class Dispatcher {
                          std::vector<at::Tensor> outputs);
   // The meta of the kError answer of a served backward of microbatch `mb` that threw
   // `error` (Python: the pickled exception, kept for Note [One traceback per error]).
-  // Default: the text.
-  using FailureEncoder = std::function<std::string(std::exception_ptr error, int64_t mb)>;
+  // Default: the text. `weight`: the call's W failed (Note [Zero bubble at run time] in
+  // dispatch.cpp), after its answer went out.
+  using FailureEncoder =
+      std::function<std::string(std::exception_ptr error, int64_t mb, bool weight)>;
   void set_failure_encoder(FailureEncoder encode);
   // With `on`, each served backward's span (microbatch, start and end in seconds of the
   // steady clock, which is Python's perf_counter clock) is kept until take_spans().
@@ -193,6 +195,10 @@ class Dispatcher {
     // torch's autograd engine for them.
     int64_t native_backwards = 0;
     double backward_s = 0;
+    // zero_bubble (Note [Split backward]): served backwards split into I and W, and the W
+    // this rank ran (at their planned turn, or all at once where the step left its plan).
+    int64_t split_backwards = 0;
+    int64_t weight_actions = 0;
   };
   Stats stats() const;
 

@@ -46,6 +46,7 @@ enum MsgKind : int32_t {
   kAbort = 8,             // the step failed somewhere: meta holds the pickled error
   kPlan = 9,              // the driver executes a plan this step: meta holds its path
   kPlanOff = 10,          // the step left its plan: the token goes by priority again
+  kWeightsDone = 11,      // zero_bubble: a serving rank's deferred W are over (meta: its error)
 };
 
 // Matches any call id / any microbatch in recv().

@@ -16,6 +16,8 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 bool is_compute(Op op) { return op <= Op::kBackwardWeight; }
 // B and I are what the previous hop's backward waits for.
 bool is_backward_input(Op op) { return op == Op::kBackward || op == Op::kBackwardInput; }
+// B and W add to the parameters' gradients (Note [Gradient order]); I does not.
+bool accumulates(Op op) { return op == Op::kBackward || op == Op::kBackwardWeight; }
 
 const char* op_code(Op op) {
   switch (op) {
@@ -104,8 +106,8 @@ std::tuple<int, int64_t, int64_t> rule_key(PlanKind kind, const Action& a) {
     case PlanKind::kSimple: cls = a.op == Op::kForward ? 0 : 1; break;
     case PlanKind::kInterleaved:
     case PlanKind::k1F1B: cls = a.op == Op::kForward ? 1 : 0; break;
-    case PlanKind::kZeroBubble:
-      cls = a.op == Op::kBackwardInput ? 0 : a.op == Op::kForward ? 1 : 2;
+    case PlanKind::kZeroBubble:  // B (an unsplit hop) goes with I
+      cls = is_backward_input(a.op) ? 0 : a.op == Op::kForward ? 1 : 2;
       break;
   }
   return {cls, a.mb, -a.hop};
@@ -120,6 +122,9 @@ void check_options(const PlanOptions& o) {
   if (o.active_microbatches < 1)
     throw ConfigError(str_cat("smp: plan 'active_microbatches'=", o.active_microbatches,
                               " is not an integer >= 1"));
+  if (o.unsplit_rank < -1 || o.unsplit_rank >= o.stages)
+    throw ConfigError(str_cat("smp: plan 'unsplit_rank'=", o.unsplit_rank,
+                              " is not -1 or a pp rank 0 .. ", o.stages - 1));
   // W may cost nothing where it is no action of its own (B = I + W).
   const int64_t min_weight = o.kind == PlanKind::kZeroBubble ? 1 : 0;
   if (o.costs.forward < 1 || o.costs.input < 1 || o.costs.weight < min_weight)
@@ -197,6 +202,10 @@ int64_t Plan::window() const {
   return o.microbatches;
 }
 
+bool Plan::splits(int64_t hop) const {
+  return options_.kind == PlanKind::kZeroBubble && path_[hop] != options_.unsplit_rank;
+}
+
 bool Plan::hop_labels() const {
   std::vector<int> visits(options_.stages, 0);
   for (int64_t r : path_)
@@ -213,7 +222,6 @@ Plan Plan::compile(PlanOptions options) {
   const auto path = resolve_path(options);
   const int64_t m = options.microbatches, hops = static_cast<int64_t>(path.size());
   const int64_t ranks = options.stages;
-  const bool zb = options.kind == PlanKind::kZeroBubble;
   const bool simple = options.kind == PlanKind::kSimple;
   Plan plan(options, path, std::vector<std::vector<Action>>(ranks));
   const int64_t window = plan.window();
@@ -223,7 +231,7 @@ Plan Plan::compile(PlanOptions options) {
   for (int64_t mb = 0; mb < m; ++mb)
     for (int64_t h = 0; h < hops; ++h) {
       pending[path[h]].push_back({Op::kForward, mb, h});
-      if (zb) {
+      if (plan.splits(h)) {
         pending[path[h]].push_back({Op::kBackwardInput, mb, h});
         pending[path[h]].push_back({Op::kBackwardWeight, mb, h});
       } else {
@@ -235,15 +243,15 @@ Plan Plan::compile(PlanOptions options) {
   const bool bounded = options.kind == PlanKind::k1F1B || options.kind == PlanKind::kZeroBubble;
   std::vector<int64_t> held(hops, 0);  // per hop: forward begun, backward not done
   Done done(m, hops);
-  // options.gradient_order: per rank and microbatch, backward actions not yet started
-  // and when the last started one finishes (kNever until all started).
+  // options.gradient_order: per rank and microbatch, accumulating actions (B, W) not
+  // yet started and when the last started one finishes (kNever until all started).
   std::vector<std::vector<int64_t>> backward_left(ranks, std::vector<int64_t>(m, 0));
   std::vector<std::vector<int64_t>> backward_over(ranks, std::vector<int64_t>(m, kNever));
   for (int64_t r = 0; r < ranks; ++r)
     for (const Action& a : pending[r])
-      if (a.op != Op::kForward) ++backward_left[r][a.mb];
+      if (accumulates(a.op)) ++backward_left[r][a.mb];
   auto waits_for_previous = [&](int64_t r, const Action& a, int64_t now) {
-    if (!options.gradient_order || a.mb == 0) return false;
+    if (!options.gradient_order || a.mb == 0 || a.op == Op::kBackwardInput) return false;
     const bool fused = options.fused_last && a.op == Op::kForward && a.hop == hops - 1;
     if (a.op == Op::kForward && !fused) return false;
     return backward_over[r][a.mb - 1] > now;
@@ -280,7 +288,7 @@ Plan Plan::compile(PlanOptions options) {
       if (is_backward_input(a.op)) --held[a.hop];  // its activations are free once I runs
       plan.compute_[r].push_back(a);
       busy_until[r] = t + cost_of(a, options.costs);
-      if (a.op != Op::kForward && --backward_left[r][a.mb] == 0) backward_over[r][a.mb] = busy_until[r];
+      if (accumulates(a.op) && --backward_left[r][a.mb] == 0) backward_over[r][a.mb] = busy_until[r];
       running.emplace_back(busy_until[r], a);
       started_any = true;
     }
@@ -385,7 +393,6 @@ Plan::Timing Plan::simulate() const {
 
 void Plan::validate() const {
   const int64_t m = options_.microbatches, hops = static_cast<int64_t>(path_.size());
-  const bool zb = options_.kind == PlanKind::kZeroBubble;
   // Each action once, on the rank its hop runs on.
   std::map<std::tuple<int, int64_t, int64_t>, int> seen;
   for (size_t r = 0; r < compute_.size(); ++r)
@@ -397,11 +404,16 @@ void Plan::validate() const {
         throw std::logic_error(str_cat("smp: plan: ", a.str(true), " on pp rank ", r,
                                        " is outside the step (", m, " microbatches, ", hops,
                                        " hops)"));
-      if (zb ? a.op == Op::kBackward
-             : a.op == Op::kBackwardInput || a.op == Op::kBackwardWeight)
+      const bool split = splits(a.hop);
+      if (split ? a.op == Op::kBackward
+                : a.op == Op::kBackwardInput || a.op == Op::kBackwardWeight)
         throw std::logic_error(str_cat("smp: plan: ", a.str(true), " on pp rank ", r, ": ",
                                        plan_kind_name(options_.kind), " runs ",
-                                       zb ? "I and W, not B" : "B, not I and W"));
+                                       split ? "I and W, not B" : "B, not I and W",
+                                       options_.kind == PlanKind::kZeroBubble
+                                           ? str_cat(" at hop ", a.hop, " (unsplit_rank ",
+                                                     options_.unsplit_rank, ")")
+                                           : std::string()));
       if (path_[a.hop] != static_cast<int64_t>(r))
         throw std::logic_error(str_cat("smp: plan: ", a.str(true), " is on pp rank ", r,
                                        " but hop ", a.hop, " runs on pp rank ", path_[a.hop]));
@@ -410,8 +422,8 @@ void Plan::validate() const {
     }
   for (int64_t mb = 0; mb < m; ++mb)
     for (int64_t h = 0; h < hops; ++h)
-      for (Op op : zb ? std::vector<Op>{Op::kForward, Op::kBackwardInput, Op::kBackwardWeight}
-                      : std::vector<Op>{Op::kForward, Op::kBackward})
+      for (Op op : splits(h) ? std::vector<Op>{Op::kForward, Op::kBackwardInput, Op::kBackwardWeight}
+                             : std::vector<Op>{Op::kForward, Op::kBackward})
         if (!seen.count({static_cast<int>(op), mb, h}))
           throw std::logic_error(str_cat("smp: plan: ", Action{op, mb, h}.str(true),
                                          " is missing on pp rank ", path_[h]));

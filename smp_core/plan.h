@@ -93,6 +93,12 @@ struct PlanOptions {
   // the forward waits as that backward would.
   bool gradient_order = false;
   bool fused_last = false;
+  // zero_bubble: the hops of this pp rank run B, not I and W (-1: every hop splits). At
+  // run time the driver's (0): its backward is one autograd call through its modules and
+  // the remote calls' nodes (Note [Split backward] in smp_core/detail/split_backward.h
+  // splits a served call only). With gradient_order, only what accumulates (B, W)
+  // waits for the previous microbatch's; I does not.
+  int64_t unsplit_rank = -1;
 };
 
 class Plan {
@@ -140,6 +146,7 @@ class Plan {
  private:
   Plan(PlanOptions options, std::vector<int64_t> path, std::vector<std::vector<Action>> compute);
   bool hop_labels() const;  // some rank is visited more than once
+  bool splits(int64_t hop) const;  // zero_bubble runs I and W at this hop
 
   PlanOptions options_;
   std::vector<int64_t> path_;

@@ -25,6 +25,7 @@ const char* schedule_kind_name(ScheduleKind kind) {
     case ScheduleKind::kInterleaved: return "interleaved";
     case ScheduleKind::kSimple: return "simple";
     case ScheduleKind::kOneFOneB: return "1f1b";
+    case ScheduleKind::kZeroBubble: return "zero_bubble";
   }
   return "?";
 }
@@ -49,7 +50,8 @@ Schedule::Schedule(ScheduleOptions options) : options_(options) {
 
 int64_t Schedule::window() const {
   if (options_.kind == ScheduleKind::kSimple) return options_.microbatches;
-  if (options_.kind == ScheduleKind::kOneFOneB) return std::min(options_.stages, options_.microbatches);
+  if (options_.kind == ScheduleKind::kOneFOneB || options_.kind == ScheduleKind::kZeroBubble)
+    return std::min(options_.stages, options_.microbatches);
   return std::min(options_.active_microbatches, options_.microbatches);
 }
 

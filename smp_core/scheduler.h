@@ -25,9 +25,13 @@ enum class ScheduleKind : int32_t {
   kInterleaved = 0,  // a ready backward before a new forward; window of microbatches
   kSimple = 1,       // every forward, then every backward (GPipe)
   kOneFOneB = 2,     // interleaved's rule with 1F1B's window: one microbatch per pp rank
+  // 1F1B whose served backwards split into I and W, W placed by the plan (Note [Split
+  // backward] in smp_core/detail/split_backward.h); in the dynamic order (the first
+  // step, a step that leaves its plan) it runs as 1f1b.
+  kZeroBubble = 3,
 };
 
-// "interleaved", "simple", "1f1b" (config 'pipeline').
+// "interleaved", "simple", "1f1b", "zero_bubble" (config 'pipeline').
 const char* schedule_kind_name(ScheduleKind kind);
 
 enum class Phase : int32_t { kForward = 0, kBackward = 1 };
@@ -63,6 +67,7 @@ struct FailedCell {
   int64_t stage = -1;
   int64_t mb = -1;
   Phase phase = Phase::kForward;
+  bool weight = false;  // zero_bubble: the backward's W failed (Plan's marking; the grid shows B)
 };
 
 class Schedule {

@@ -73,6 +73,7 @@ void bind_pipeline(py::module_& m) {
       .value("BACKWARD_RESPONSE", kBackwardResponse)
       .value("ERROR", kError)
       .value("MICROBATCH_DONE", kMicrobatchDone)
+      .value("WEIGHTS_DONE", kWeightsDone)
       .value("STEP_END", kStepEnd)
       .value("ABORT", kAbort)
       .export_values();
@@ -88,9 +89,10 @@ void bind_pipeline(py::module_& m) {
              ScheduleKind k = ScheduleKind::kInterleaved;
              if (kind == "simple") k = ScheduleKind::kSimple;
              else if (kind == "1f1b") k = ScheduleKind::kOneFOneB;
+             else if (kind == "zero_bubble") k = ScheduleKind::kZeroBubble;
              else if (kind != "interleaved")
                throw ConfigError("smp: config 'pipeline'='" + kind +
-                                 "' is not one of {interleaved, simple, 1f1b}");
+                                 "' is not one of {interleaved, simple, 1f1b, zero_bubble}");
              return Schedule(ScheduleOptions{k, microbatches, stages, active});
            }),
            py::arg("kind"), py::arg("microbatches"), py::arg("stages"),
@@ -121,8 +123,12 @@ void bind_pipeline(py::module_& m) {
   py::class_<Plan>(m, "Plan")
       .def(py::init([](const std::string& kind, int64_t microbatches, int64_t stages,
                        int64_t active, const std::vector<int64_t>& path,
-                       std::tuple<int64_t, int64_t, int64_t> costs) {
+                       std::tuple<int64_t, int64_t, int64_t> costs, bool gradient_order,
+                       bool fused_last, int64_t unsplit_rank) {
              PlanOptions o;
+             o.gradient_order = gradient_order;
+             o.fused_last = fused_last;
+             o.unsplit_rank = unsplit_rank;
              o.kind = plan_kind_from_name(kind);
              o.microbatches = microbatches;
              o.stages = stages;
@@ -133,7 +139,13 @@ void bind_pipeline(py::module_& m) {
            }),
            py::arg("kind"), py::arg("microbatches"), py::arg("stages"),
            py::arg("active_microbatches") = 3, py::arg("path") = std::vector<int64_t>{},
-           py::arg("costs") = std::make_tuple(int64_t{1}, int64_t{1}, int64_t{1}))
+           py::arg("costs") = std::make_tuple(int64_t{1}, int64_t{1}, int64_t{1}),
+           py::arg("gradient_order") = false, py::arg("fused_last") = false,
+           py::arg("unsplit_rank") = -1,
+           "gradient_order, fused_last, unsplit_rank: the runtime's constraints "
+           "(smp_core/plan.h PlanOptions); the plan the runtime executes has "
+           "gradient_order and fused_last on (not under 'simple') and, for zero_bubble, "
+           "unsplit_rank 0.")
       .def("window", &Plan::window)
       .def("validate", &Plan::validate)
       .def("compute", [](const Plan& p) {
@@ -248,6 +260,8 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("planned_steps", &Dispatcher::Stats::planned_steps)
       .def_readonly("plan_fallbacks", &Dispatcher::Stats::plan_fallbacks)
       .def_readonly("native_backwards", &Dispatcher::Stats::native_backwards)
+      .def_readonly("split_backwards", &Dispatcher::Stats::split_backwards)
+      .def_readonly("weight_actions", &Dispatcher::Stats::weight_actions)
       .def_readonly("backward_s", &Dispatcher::Stats::backward_s);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
@@ -348,12 +362,13 @@ void bind_pipeline(py::module_& m) {
       .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())
       .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release())
       .def("stats", &Dispatcher::stats)
-      // Note [Served backward]: `encode(exc, mb) -> bytes` is the kError meta of a served
-      // backward of microbatch `mb` that raised `exc` (a C++ error arrives as a
-      // RuntimeError).
+      // Note [Served backward]: `encode(exc, mb, weight) -> bytes` is the kError meta of a
+      // served backward of microbatch `mb` that raised `exc` (a C++ error arrives as a
+      // RuntimeError); `weight`: in its W (zero_bubble).
       .def("set_failure_encoder", [](Dispatcher& d, py::function encode) {
              auto e = share(std::move(encode));
-             d.set_failure_encoder([e](std::exception_ptr error, int64_t mb) -> std::string {
+             d.set_failure_encoder([e](std::exception_ptr error, int64_t mb,
+                                       bool weight) -> std::string {
                py::gil_scoped_acquire gil;
                py::object exc;
                try {
@@ -367,7 +382,7 @@ void bind_pipeline(py::module_& m) {
                } catch (const std::exception& other) {
                  exc = py::module_::import("builtins").attr("RuntimeError")(other.what());
                }
-               return call_python<std::string>(e, exc, mb);
+               return call_python<std::string>(e, exc, mb, weight);
              });
            }, py::arg("encode"))
       .def("keep_for_backward", &Dispatcher::keep_for_backward, py::arg("src"), py::arg("mb"),
@@ -388,10 +403,12 @@ void bind_pipeline(py::module_& m) {
       // Note [Executed plan] (smp_core/dispatch.cpp).
       .def("planned_actions", &Dispatcher::planned_actions)
       .def("executed_actions", &Dispatcher::executed_actions)
-      .def("plan_text", [](const Dispatcher& d, std::optional<std::tuple<int64_t, int64_t, bool>> cell) {
-             if (!cell) return d.plan_text();
-             FailedCell c{std::get<0>(*cell), std::get<1>(*cell),
-                          std::get<2>(*cell) ? Phase::kBackward : Phase::kForward};
+      // `cell`: (pp rank, microbatch, backward) or, for a W, (..., True, True).
+      .def("plan_text", [](const Dispatcher& d, std::optional<py::tuple> cell) {
+             if (!cell || cell->size() < 3) return d.plan_text();
+             FailedCell c{(*cell)[0].cast<int64_t>(), (*cell)[1].cast<int64_t>(),
+                          (*cell)[2].cast<bool>() ? Phase::kBackward : Phase::kForward,
+                          cell->size() > 3 && (*cell)[3].cast<bool>()};
              return d.plan_text(&c);
            }, py::arg("cell") = py::none());
   // Note [Remote call node] (smp_core/remote_call.h).

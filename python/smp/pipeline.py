@@ -158,14 +158,15 @@ class Engine:
         """Every rank logs the step x rank table with the failing cell marked."""
         cell = getattr(exc, "_smp_cell", None)
         try:
-            table = self.schedule.grid([], tuple(cell) if cell else None)
+            table = self.schedule.grid([], tuple(cell[:3]) if cell else None)
             # The plan the step executed, its failing action marked (Note [Executed plan]).
             if self.dispatch.stats().planned_steps:
                 table += "executed " + self.dispatch.plan_text(tuple(cell) if cell else None)
         except Exception as e:  # the table must never hide the error itself
             table = f"(no schedule table: {e})\n"
-        where = (f"pp rank {cell[0]}, microbatch {cell[1]}, "
-                 f"{'backward' if cell[2] else 'forward'}") if cell else "an unknown cell"
+        phase = "forward" if not cell or not cell[2] else (
+            "backward (its weight-gradient half, W)" if len(cell) > 3 and cell[3] else "backward")
+        where = f"pp rank {cell[0]}, microbatch {cell[1]}, {phase}" if cell else "an unknown cell"
         # logger.error, not a print: with no logging configured smp's handler puts it on
         # stderr as before; a job that sends its logs elsewhere (files, a collector)
         # finds the table there, beside smp's other records. See python/smp/log.py.
@@ -234,12 +235,13 @@ class Engine:
         finally:
             _task.mb, _task.backward = prev
 
-    def _backward_failed(self, exc, mb):
+    def _backward_failed(self, exc, mb, weight):
         """Note [Served backward]: the ERROR answer's payload for a call of microbatch
-        `mb` whose backward, served in C++, raised `exc`."""
+        `mb` whose backward, served in C++, raised `exc` (`weight`: in its W, under
+        zero_bubble; the cell then says so, for the plan's marking)."""
         if getattr(exc, "_smp_cell", None) is None:
             try:
-                exc._smp_cell = (core.pp_rank(), mb, True)
+                exc._smp_cell = (core.pp_rank(), mb, True) + ((True,) if weight else ())
             except AttributeError:
                 pass
         self.own_errors.append(exc)  # See Note [One traceback per error]
@@ -354,6 +356,11 @@ class Engine:
 
         try:
             self.dispatch.drive(run)
+        except BaseException as exc:
+            # Raised at the step's end (a serving rank's W failed: Note [Zero bubble at
+            # run time]); the dispatcher has aborted the step on every pp rank.
+            self.log_failure(exc)
+            raise
         finally:
             self._timeline_spans()
         if errors:

@@ -91,7 +91,8 @@ d = model._engine.dispatch
 st = d.stats()
 print("PLAN " + json.dumps({"rank": smp.rank(), "planned": d.planned_actions(),
                             "executed": d.executed_actions(), "planned_steps": st.planned_steps,
-                            "fallbacks": st.plan_fallbacks}))
+                            "fallbacks": st.plan_fallbacks, "split": st.split_backwards,
+                            "weights": st.weight_actions, "backwards": st.native_backwards}))
 """
 
 
@@ -105,7 +106,11 @@ def _reports(results):
     (2, {"partitions": 2, "microbatches": 4, "pipeline": "1f1b"}),
     (4, {"partitions": 4, "microbatches": 8, "pipeline": "1f1b"}),
     (4, {"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "ddp": True}),
-], ids=["pp2-interleaved", "pp2-simple", "pp2-1f1b", "pp4-1f1b", "pp2xdp2-interleaved"])
+    (2, {"partitions": 2, "microbatches": 8, "pipeline": "zero_bubble"}),
+    (4, {"partitions": 4, "microbatches": 8, "pipeline": "zero_bubble"}),
+    (4, {"partitions": 2, "microbatches": 4, "pipeline": "zero_bubble", "ddp": True}),
+], ids=["pp2-interleaved", "pp2-simple", "pp2-1f1b", "pp4-1f1b", "pp2xdp2-interleaved",
+        "pp2-zero_bubble", "pp4-zero_bubble", "pp2xdp2-zero_bubble"])
 def test_runtime_executes_the_plan_as_written(ranks, world, cfg):
     results = ranks(EXECUTE, world, args=(json.dumps(cfg),), timeout=240)
     # The driver says which plan its steps execute, once.
@@ -117,11 +122,20 @@ def test_runtime_executes_the_plan_as_written(ranks, world, cfg):
         # Steps 2 and 3 ran the plan of step 1's calls, action for action, on every rank.
         assert rep["planned_steps"] == 2 and rep["fallbacks"] == 0, rep
         assert rep["planned"] and rep["executed"] == rep["planned"], rep
+        weights = [a for a in rep["planned"] if a.startswith("W")]
+        if cfg["pipeline"] != "zero_bubble" or rep["rank"] % cfg["partitions"] == 0:
+            # The driver runs its backward whole (PlanOptions::unsplit_rank).
+            assert not weights and rep["split"] == rep["weights"] == 0, rep
+        else:
+            # Note [Zero bubble at run time]: each planned step split every served
+            # backward of this rank and ran its W at the W's turn.
+            assert len(weights) == sum(a.startswith("I") for a in rep["planned"]) > 0, rep
+            assert rep["split"] == rep["weights"] == 2 * len(weights), rep
 
 
 FALLBACK = COMMON + r"""
 smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0,
-          "timeout_s": 20, "pipeline_order": "planned"})
+          "timeout_s": 20, "pipeline_order": "planned", "pipeline": sys.argv[1]})
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(5)
 batches = []
@@ -137,8 +151,11 @@ print("PLAN " + json.dumps({"rank": smp.rank(), "planned_steps": st.planned_step
 """
 
 
-def test_data_dependent_step_leaves_the_plan_and_matches_one_process(ranks):
-    for rep in _reports(ranks(FALLBACK, 2, timeout=180)):
+@pytest.mark.parametrize("pipeline", ["interleaved", "zero_bubble"])
+def test_data_dependent_step_leaves_the_plan_and_matches_one_process(ranks, pipeline):
+    # zero_bubble: the W pending when the step leaves its plan run at once, in
+    # microbatch order (Note [Zero bubble at run time]); the numbers still match.
+    for rep in _reports(ranks(FALLBACK, 2, args=(pipeline,), timeout=180)):
         # Step 2 began with step 1's plan and left it; step 3 had no uniform path to
         # plan (step 2's microbatches differed), so it ran in the dynamic order.
         assert rep["planned_steps"] == 1 and rep["fallbacks"] == 1, rep
@@ -198,3 +215,52 @@ def test_failure_in_a_planned_step_marks_the_failing_action(ranks):
         assert "executed plan interleaved, 2 microbatches, 2 pp ranks" in r.stderr, r
         assert re.search(r"pp 1 \|.* \[F1(\.h1)?\]", r.stderr), r
         assert re.search(r"failed: pp rank 1, F1\.h1", r.stderr), r
+
+
+WFAILS = COMMON + r"""
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        with smp.partition(1):
+            self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 3)
+    def forward(self, x):
+        return self.c(torch.relu(self.b(self.a(x))))
+
+smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0,
+          "timeout_s": 60, "pipeline": "zero_bubble"})
+model = smp.DistributedModel(Two())
+calls = []
+def hook(grad):  # runs where pp rank 1's weight gradient accumulates: in its W
+    calls.append(1)
+    if len(calls) == 5:  # step 3, microbatch 0
+        raise ValueError("kaboom in a W of step 3")
+    return grad
+if smp.pp_rank() == 1:
+    model.module.b.weight.register_hook(hook)
+@smp.step
+def step(x):
+    out = model(x)
+    model.backward(out.sum())
+    return out
+for i in range(3):
+    try:
+        step(torch.randn(4, 8))
+    except ValueError as e:
+        st = model._engine.dispatch.stats()
+        print("raised in step", i + 1, e, "split", st.split_backwards, "weights", st.weight_actions)
+        sys.exit(3)
+"""
+
+
+def test_failure_in_a_weight_action_fails_the_step_on_every_rank(ranks):
+    # A W runs after its call's answer went out; the driver ends the step only once
+    # every W is over, so the W's error still fails that step, on every rank.
+    for r in ranks(WFAILS, 2, check=False, timeout=120):
+        assert r.returncode == 3 and "raised in step 3 kaboom in a W of step 3" in r.stdout, r
+        assert "executed plan zero_bubble, 2 microbatches, 2 pp ranks" in r.stderr, r
+        # The failure table marks the W that failed, not its I.
+        assert re.search(r"pp 1 \|.* I0\.h1 .*\[W0\.h1\]", r.stderr), r
+        assert "failed: pp rank 1, W0.h1" in r.stderr, r
+        assert "microbatch 0, backward (its weight-gradient half, W)" in r.stderr, r

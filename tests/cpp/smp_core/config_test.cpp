@@ -70,7 +70,8 @@ TEST(Config, PipelineParallelDegreeIsAnAlias) {
 
 TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_EQ(error_of(R"({"pipeline": "gpipe"})", 3),
-            "smp: config 'pipeline'='gpipe' is not one of {interleaved, simple, 1f1b} (rank 3)");
+            "smp: config 'pipeline'='gpipe' is not one of {interleaved, simple, 1f1b, zero_bubble} "
+            "(rank 3)");
   EXPECT_EQ(Config::from_json(R"({"pipeline": "1f1b"})").pipeline, "1f1b");
   EXPECT_EQ(error_of(R"({"pipeline_order": "static"})"),
             "smp: config 'pipeline_order'='static' is not one of {dynamic, planned}");
@@ -78,10 +79,14 @@ TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_EQ(error_of(R"({"checkpoint_dir": 3})"), "smp: config 'checkpoint_dir'=3 is not a string");
   EXPECT_EQ(Config::from_json(R"({"checkpoint_dir": "/ckpt"})").checkpoint_dir, "/ckpt");
   EXPECT_EQ(Config().checkpoint_dir, "");
-  EXPECT_EQ(error_of(R"({"pipeline": "zero_bubble"})"),
-            "smp: config 'pipeline'='zero_bubble' is not executable yet: smp plans it "
-            "(smp._C.Plan) but does not split a backward into input- and weight-gradient "
-            "actions; use one of {interleaved, simple, 1f1b}");
+  // zero_bubble runs its plan: "planned" by default, "dynamic" refused by name.
+  EXPECT_EQ(Config::from_json(R"({"pipeline": "zero_bubble"})").pipeline_order, "planned");
+  EXPECT_EQ(Config::from_json(R"({"pipeline": "zero_bubble", "pipeline_order": "planned"})")
+                .pipeline_order, "planned");
+  EXPECT_EQ(error_of(R"({"pipeline": "zero_bubble", "pipeline_order": "dynamic"})"),
+            "smp: config 'pipeline_order'='dynamic' is not usable with 'pipeline'='zero_bubble', "
+            "which places its weight-gradient actions by its plan; use \"planned\" or leave "
+            "'pipeline_order' unset");
   EXPECT_EQ(error_of(R"({"partitions": 0})"),
             "smp: config 'partitions'=0 is not an integer in [1, 1073741824]");
   EXPECT_EQ(error_of(R"({"partitions": 2.5})"),

@@ -320,7 +320,7 @@ TEST(Dispatch, FailingServedBackwardAnswersWithTheEncodedError) {
           return make(0, 0, kResponse, {x});
         },
         spawn_thread);
-    d->set_failure_encoder([](std::exception_ptr e, int64_t) {
+    d->set_failure_encoder([](std::exception_ptr e, int64_t, bool) {
       try {
         std::rethrow_exception(e);
       } catch (const std::exception& ex) {

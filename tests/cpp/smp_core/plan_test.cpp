@@ -210,6 +210,53 @@ TEST(Plan, ZeroBubbleHasLessBubbleThanOneFOneB) {
     }
 }
 
+// The plan the runtime executes under zero_bubble (Note [Zero bubble at run time] in
+// smp_core/dispatch.cpp): the driver's hops run B whole, the serving ranks' split; only
+// what accumulates keeps microbatch order; and it is no slower than 1F1B's runtime plan.
+TEST(Plan, ZeroBubbleAtRunTimeSplitsTheServingRanksOnly) {
+  for (const auto& path : std::vector<std::vector<int64_t>>{{0, 1, 0}, {0, 1, 0, 2, 0, 3, 0}})
+    for (int64_t mb : {2, 4, 8}) {
+      const int64_t stages = *std::max_element(path.begin(), path.end()) + 1;
+      PlanOptions o = opts(PlanKind::k1F1B, mb, stages, path);
+      o.gradient_order = true;
+      o.fused_last = true;
+      o.unsplit_rank = 0;
+      const Plan ofob = Plan::compile(o);
+      o.kind = PlanKind::kZeroBubble;
+      o.costs = {1, 1, 1};
+      const Plan zb = Plan::compile(o);
+      SCOPED_TRACE(zb.format());
+      EXPECT_NO_THROW(zb.validate());
+      for (int64_t r = 0; r < stages; ++r) {
+        std::map<int64_t, int64_t> accumulating;  // mb -> B/W seen
+        std::set<std::pair<int64_t, int64_t>> inputs;
+        int64_t last_mb = -1;
+        for (const Action& a : zb.compute()[r]) {
+          if (r == 0) EXPECT_TRUE(a.op == Op::kForward || a.op == Op::kBackward) << a.str(true);
+          else EXPECT_NE(a.op, Op::kBackward) << a.str(true);
+          if (a.op == Op::kBackwardInput) inputs.insert({a.mb, a.hop});
+          if (a.op == Op::kBackwardWeight) EXPECT_TRUE(inputs.count({a.mb, a.hop})) << a.str(true);
+          if (a.op == Op::kBackward || a.op == Op::kBackwardWeight) {
+            EXPECT_GE(a.mb, last_mb) << "rank " << r << ": " << a.str(true);
+            last_mb = a.mb;
+          }
+        }
+      }
+      const auto tz = zb.simulate(), t1 = ofob.simulate();
+      EXPECT_LE(tz.makespan, t1.makespan) << ofob.timeline() << zb.timeline();
+      if (mb >= 4) EXPECT_LT(tz.bubble_fraction, t1.bubble_fraction) << ofob.timeline() << zb.timeline();
+    }
+  // The option names its bounds.
+  PlanOptions bad = opts(PlanKind::kZeroBubble, 2, 2);
+  bad.unsplit_rank = 2;
+  try {
+    Plan::compile(bad);
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(), "smp: plan 'unsplit_rank'=2 is not -1 or a pp rank 0 .. 1");
+  }
+}
+
 TEST(Plan, LoweredSendsMeetReceives) {
   for (PlanKind kind : kKinds)
     for (const std::vector<int64_t>& path :

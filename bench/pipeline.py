@@ -163,6 +163,9 @@ def run_pipeline(steps, overlap=True):
     # Timed steps that executed the plan as written, and that left it (Note [Executed
     # plan] in smp_core/dispatch.cpp).
     planned = [d1.planned_steps - d0.planned_steps, d1.plan_fallbacks - d0.plan_fallbacks]
+    # The share of each step this rank's compute token was held: 1 minus it is the
+    # rank's measured bubble (plus its waits for the token's hand-over).
+    busy = round((s1.token_held_s - s0.token_held_s) / steps * 1e3 / ms, 3)
     # The pp x dp runs report ms only; with ddp a backward outside @smp.step is refused.
     work = reference_work_ms(net, model, steps) if smp.dp_size() == 1 else None
     # Per request served on a stage rank (the driver runs the step body, not requests):
@@ -185,6 +188,7 @@ def run_pipeline(steps, overlap=True):
     works = smp.allgather(work)
     crossings = smp.allgather(crossings)
     planned = smp.allgather(planned)
+    busy = smp.allgather(busy)
     plan = model.partition_plan()
     split = [plan[str(i)]["partition"] for i in range(len(net))]
     if smp.rank() == 0:
@@ -194,7 +198,7 @@ def run_pipeline(steps, overlap=True):
                                       "request_dispatch_ms": dispatches,
                                       "crossings_per_microbatch": crossings,
                                       "planned_steps_and_fallbacks": planned,
-                                      "work_ms": works}))
+                                      "token_busy": busy, "work_ms": works}))
 
 
 def reference_work_ms(net, model, steps):
@@ -392,21 +396,36 @@ def main():
     simple = pipelined(args.steps, "simple")
     out["peak_act_mb_simple"] = [round(v, 1) for v in simple["peak_act_mb"]]
     # Each schedule smp runs, one run each (the interleaved figure is the rounds' median
-    # above), and the plans' modelled bubble (smp_core/plan.h, costs F = I = W = 1):
-    # zero_bubble is planned but not run yet (its W needs the backward split).
+    # above), and the plans' modelled bubble (smp_core/plan.h, costs F = I = W = 1).
+    # zero_bubble always executes its plan (its W go where the plan puts them).
     one_f_one_b = pipelined(args.steps, "1f1b")
+    zero_bubble = pipelined(args.steps, "zero_bubble", order="planned")
     out["smp_schedule_ms"] = {"interleaved": out["smp_ms"], "simple": round(simple["ms"], 1),
-                              "1f1b": round(one_f_one_b["ms"], 1)}
+                              "1f1b": round(one_f_one_b["ms"], 1),
+                              "zero_bubble": round(zero_bubble["ms"], 1)}
     # The same schedules executed as planned (config 'pipeline_order' "planned": the
     # compiled plan's order, action for action, with unit costs; docs/pipeline.md).
-    out["smp_planned_schedule_ms"] = {
-        kind: round(pipelined(args.steps, kind, order="planned")["ms"], 1)
-        for kind in ("interleaved", "simple", "1f1b")}
+    planned_runs = {kind: pipelined(args.steps, kind, order="planned")
+                    for kind in ("interleaved", "simple", "1f1b")}
+    planned_runs["zero_bubble"] = zero_bubble
+    out["smp_planned_schedule_ms"] = {k: round(v["ms"], 1) for k, v in planned_runs.items()}
+    # Measured bubble: the share of a step each pp rank's compute token sat idle, mean
+    # over the ranks; zero_bubble's against 1F1B's, both executed as planned.
+    out["measured_bubble_fraction"] = {
+        k: round(1 - statistics.mean(planned_runs[k]["token_busy"]), 3)
+        for k in ("1f1b", "zero_bubble")}
     sys.path.insert(0, os.path.join(BUILD, "python"))
     from smp import _C
     out["plan_bubble_fraction"] = {
         kind: round(_C.Plan(kind, M, S, S + 2).simulate()["bubble_fraction"], 3)
         for kind in ("simple", "interleaved", "1f1b", "zero_bubble")}
+    # The plans the runtime executes on this bench's path (the driver holds the first
+    # and last stages: 0, 1, 0), with its constraints (the driver's backward whole).
+    path = [0] + [p for s_ in range(1, S) for p in (s_, 0)]
+    out["runtime_plan_bubble_fraction"] = {
+        kind: round(_C.Plan(kind, M, S, S + 2, path, (1, 1, 1), True, True,
+                            0 if kind == "zero_bubble" else -1).simulate()["bubble_fraction"], 3)
+        for kind in ("1f1b", "zero_bubble")}
     # pp=2 x dp=2 with ddp: the dp reduction overlapping the pipeline's backward (Note
     # [Pipeline overlap]) against reducing after the step, alternated in one run. Four
     # ranks share two cores here, so this measures the scheduling, not a speedup.

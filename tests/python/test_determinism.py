@@ -86,10 +86,14 @@ def test_schedule_and_partitioning_do_not_change_the_numbers(ranks):
     pp4 = _result(ranks, 4, {"partitions": 4})
     # Executing the plan as written (Note [Executed plan]) changes the order, not the sums.
     planned = _result(ranks, 2, {"partitions": 2, "pipeline": "1f1b", "pipeline_order": "planned"})
+    # zero_bubble splits pp rank 1's backwards into I and W (Note [Split backward]): the
+    # same kernels, each gradient summed in microbatch order.
+    zero_bubble = _result(ranks, 2, {"partitions": 2, "pipeline": "zero_bubble"})
     assert simple == interleaved
     assert one_f_one_b == interleaved
     assert pp4 == interleaved
     assert planned == interleaved
+    assert zero_bubble == interleaved
 
 
 LAYOUT = r"""

@@ -430,8 +430,12 @@ struct Dispatcher::Impl {
   // its gradients (the reducer's, the optimizer's) come after every W, and a W that
   // failed fails the step on every rank (the driver aborts it with that error).
   bool splitting_now() {
-    std::lock_guard<std::mutex> lock(mu);
-    return split_step && plan_on;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!split_step || !plan_on) return false;
+    }
+    // A kPlanOff that arrived turned the token's order off before the leader saw it.
+    return p2p->token_ordered();
   }
 
   // Runs one W as the token's holder, its microbatch the task's meanwhile (the gate's).
@@ -642,6 +646,9 @@ struct Dispatcher::Impl {
         // Under a plan the leader takes the request whose turn it is and no other, so
         // that it never waits for the token holding a request while the one next in the
         // plan sits in the mailbox (Note [Executed plan]).
+        // The token's order went off under the plan (a kPlanOff arrived: p2p.h), while
+        // this leader waited for a request outside the plan's mask: leave it here too.
+        if (planned_now() && !p2p->token_ordered()) leave_plan_on_word();
         if (weights_to_flush()) {  // Note [Zero bubble at run time]: the step left its plan
           flush_weights();
           continue;
@@ -1150,6 +1157,80 @@ void Dispatcher::drive(MicrobatchFn run) {
     raise_answer(*weight_failure);
   }
   I.record_path();
+}
+
+bool Dispatcher::drive_step(MicrobatchStepFn run) {
+  auto& I = *impl_;
+  std::vector<Message> parts(static_cast<size_t>(std::max<int64_t>(I.microbatches, 0)));
+  std::atomic<bool> aborted{false}, told{false};
+  drive([&](int64_t mb) {
+    Message part = run(mb);
+    if (part.kind == kAbort) {
+      aborted = true;
+      if (!part.meta.empty() && !told.exchange(true)) tell_pp_ranks(std::move(part), /*to_self=*/true);
+      return;
+    }
+    SMP_CHECK(part.kind == kStepEnd, "drive_step: microbatch ", mb,
+              "'s body returned a message of kind ", part.kind, " (kStepEnd or kAbort)");
+    parts.at(static_cast<size_t>(mb)) = std::move(part);
+  });
+  if (aborted) return false;
+  // Meta: the count, then per part its meta's length and tensor count, then the metas.
+  std::vector<int64_t> header{static_cast<int64_t>(parts.size())};
+  Message end;
+  end.kind = kStepEnd;
+  for (const Message& p : parts) {
+    header.push_back(static_cast<int64_t>(p.meta.size()));
+    header.push_back(static_cast<int64_t>(p.tensors.size()));
+  }
+  end.meta = encode_ints(header);
+  for (Message& p : parts) {
+    end.meta += p.meta;
+    for (at::Tensor& t : p.tensors) end.tensors.push_back(std::move(t));
+  }
+  tell_pp_ranks(std::move(end));
+  return true;
+}
+
+std::vector<Message> Dispatcher::step_end_parts(const Message& end) {
+  auto bad = [&](const char* what) {
+    return CommError(str_cat("smp: pipeline protocol error: a step end of ", end.meta.size(),
+                             " bytes and ", end.tensors.size(), " tensors: ", what));
+  };
+  if (end.meta.size() < sizeof(int64_t)) throw bad("no header");
+  int64_t n = 0;
+  std::memcpy(&n, end.meta.data(), sizeof(n));
+  if (n < 0 || static_cast<uint64_t>(n) > end.meta.size() / (2 * sizeof(int64_t)))
+    throw bad("a short header");
+  const size_t head = sizeof(int64_t) * (1 + 2 * static_cast<size_t>(n));
+  if (end.meta.size() < head) throw bad("a short header");
+  const std::vector<int64_t> words = decode_ints(end.meta.substr(0, head));
+  std::vector<Message> parts;
+  size_t at = head, tensor = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto len = static_cast<size_t>(words[1 + 2 * i]);
+    const auto count = static_cast<size_t>(words[2 + 2 * i]);
+    if (end.meta.size() - at < len || end.tensors.size() - tensor < count)
+      throw bad("a part beyond the message");
+    Message p;
+    p.mb = i;
+    p.kind = kStepEnd;
+    p.meta = end.meta.substr(at, len);
+    p.tensors.assign(end.tensors.begin() + static_cast<std::ptrdiff_t>(tensor),
+                     end.tensors.begin() + static_cast<std::ptrdiff_t>(tensor + count));
+    at += len;
+    tensor += count;
+    parts.push_back(std::move(p));
+  }
+  if (at != end.meta.size() || tensor != end.tensors.size()) throw bad("bytes left over");
+  return parts;
+}
+
+void Dispatcher::tell_pp_ranks(Message msg, bool to_self) {
+  auto& I = *impl_;
+  msg.mb = -1;
+  for (int r = 0; r < I.p2p->size(); ++r)
+    if (r != I.p2p->rank() || to_self) I.p2p->send(r, msg);
 }
 
 Message Dispatcher::serve_step() {

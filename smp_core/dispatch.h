@@ -103,6 +103,22 @@ class Dispatcher {
   // has returned. Rethrows the first exception a `run` let escape.
   void drive(MicrobatchFn run);
 
+  // Note [Step end]: the driver's step from its start to its end. As drive(), with
+  // each microbatch's body returning its share of the step's end: a kStepEnd message
+  // (its outputs, as meta and tensors) or a kAbort (its error, encoded; empty from a
+  // body that knows another failed first). The first kAbort with an error goes at once
+  // to every pp rank, this one too (its other tasks waiting for a message see it). When every microbatch returned a kStepEnd (and, under
+  // zero_bubble, every serving rank's W are over), one kStepEnd carrying every share
+  // in microbatch order goes to every other pp rank; serve_step() returns it there
+  // (step_end_parts() splits it). Returns false if the step was aborted.
+  using MicrobatchStepFn = std::function<Message(int64_t mb)>;
+  bool drive_step(MicrobatchStepFn run);
+  // The microbatches' shares of a kStepEnd that drive_step() sent, in order.
+  static std::vector<Message> step_end_parts(const Message& end);
+  // Sends the step-level `msg` (its mb becomes -1) to every other pp rank and, with
+  // `to_self`, to this one: an abort, a join state (smp/join.py).
+  void tell_pp_ranks(Message msg, bool to_self = false);
+
   // Any other rank: serves the step's requests (Note [Serving]) until the driver ends
   // or aborts the step, and returns that kStepEnd or kAbort message once every serving
   // thread has stopped. Throws TimeoutError if the driver goes silent for the timeout,

@@ -354,6 +354,16 @@ void bind_pipeline(py::module_& m) {
              py::gil_scoped_release nogil;
              d.drive([fn](int64_t mb) { call_python<void>(fn, mb); });
            }, py::arg("run"))
+      // Note [Step end]: `run(mb)` returns its share of the step's end, a STEP_END
+      // Message (its outputs) or an ABORT (its error); returns whether the step ended.
+      .def("drive_step", [](Dispatcher& d, py::function run) {
+             auto fn = share(std::move(run));
+             py::gil_scoped_release nogil;
+             return d.drive_step([fn](int64_t mb) { return call_python<Message>(fn, mb); });
+           }, py::arg("run"))
+      .def_static("step_end_parts", &Dispatcher::step_end_parts, py::arg("end"))
+      .def("tell_pp_ranks", &Dispatcher::tell_pp_ranks, py::arg("msg"), py::arg("to_self") = false,
+           release())
       .def("serve_step", &Dispatcher::serve_step, release())
       .def("call", &Dispatcher::call, py::arg("dst"), py::arg("request"), py::arg("kind"),
            py::arg("backward"), py::arg("what"), py::arg("for_holder") = false, release())

@@ -59,22 +59,31 @@ def _travels(t):
     return t.layout == torch.strided and t.device.type == "cpu"
 
 
-def _encode_step_end(out, tensors):
-    """STEP_END's meta for the step's outputs `out`: its structure pickled, its dense
-    CPU tensors appended to `tensors` (sent as they are: no torch pickling, which costs
-    more than the send), with whether each required grad."""
+def _step_end_part(mb, out):
+    """Microbatch `mb`'s share of STEP_END (Note [Step end] in smp_core/dispatch.h):
+    its outputs `out` (with whether a backward had run) as a message whose meta is the
+    structure pickled and whose tensors are its dense CPU tensors, sent as they are (no
+    torch pickling, which costs more than the send), with whether each required grad."""
+    tensors = []
+
     def slot(t):
         tensors.append(t.detach())
         return TensorSlot(len(tensors) - 1)
     skeleton = map_leaves(out, slot, lambda x: isinstance(x, torch.Tensor) and _travels(x))
     flags = [t.requires_grad for t in tensors]
-    return pickle.dumps((skeleton, flags))
+    return _C.Message(mb, 0, K.STEP_END, pickle.dumps((skeleton, flags)), tensors)
 
 
-def _decode_step_end(meta, tensors):
-    skeleton, flags = pickle.loads(meta)
-    tensors = [t.requires_grad_() if rg else t for t, rg in zip(tensors, flags)]
-    return unflatten(skeleton, tensors)
+def _decode_step_end(msg):
+    """(per-microbatch outputs, whether a backward ran) from the driver's STEP_END."""
+    results, backward = [], False
+    for part in _C.Dispatcher.step_end_parts(msg):
+        skeleton, flags = pickle.loads(part.meta)
+        tensors = [t.requires_grad_() if rg else t for t, rg in zip(part.tensors, flags)]
+        out, ran = unflatten(skeleton, tensors)
+        results.append(out)
+        backward = backward or ran
+    return results, backward
 
 
 class Engine:
@@ -328,12 +337,14 @@ class Engine:
         the step, raises `exc`'s message; so does the driver."""
         self._open_epoch()
         timeline.begin_step()  # the owners count this step in run_step
-        self._send_to_pp_ranks(K.ABORT, error_payload(exc))
+        self.dispatch.tell_pp_ranks(_C.Message(-1, 0, K.ABORT, error_payload(exc)))
         raise exc
 
     def _drive(self, fn, mb_inputs):
         """The driver: the dispatcher runs `run` for each microbatch, in order, at most
-        the schedule's window at once, with the token held."""
+        the schedule's window at once, with the token held; each returns its share of
+        the step's end (its outputs, or its error), which the dispatcher sends on (Note
+        [Step end] in smp_core/dispatch.h)."""
         results, errors = [None] * len(mb_inputs), []
 
         def run(mb):
@@ -341,21 +352,25 @@ class Engine:
             try:
                 with timeline.span("microbatch", mb=mb), self._task_context():
                     results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])
+                # An output that cannot be sent fails the step on every rank, here.
+                return _step_end_part(mb, (results[mb], self._backward_ran))
             except BaseException as exc:
-                if not errors:
-                    if getattr(exc, "_smp_cell", None) is None:
-                        try:
-                            exc._smp_cell = (0, mb, bool(_task.backward))
-                        except AttributeError:
-                            pass
-                    # The driver too: its other tasks waiting for a message see it.
-                    self._send_to_pp_ranks(K.ABORT, error_payload(exc), to_self=True)
-                errors.append(exc)
+                with self.lock:
+                    first = not errors
+                    errors.append(exc)
+                if not first:  # the step is failing already: the first error is the one sent
+                    return _C.Message(mb, 0, K.ABORT)
+                if getattr(exc, "_smp_cell", None) is None:
+                    try:
+                        exc._smp_cell = (0, mb, bool(_task.backward))
+                    except AttributeError:
+                        pass
+                return _C.Message(mb, 0, K.ABORT, error_payload(exc))
             finally:
                 _task.mb = None
 
         try:
-            self.dispatch.drive(run)
+            self.dispatch.drive_step(run)
         except BaseException as exc:
             # Raised at the step's end (a serving rank's W failed: Note [Zero bubble at
             # run time]); the dispatcher has aborted the step on every pp rank.
@@ -366,18 +381,14 @@ class Engine:
         if errors:
             self.log_failure(errors[0])
             raise errors[0]
-        out = (results, self._backward_ran)
-        tensors = []
-        meta = _encode_step_end(out, tensors)
-        self._send_to_pp_ranks(K.STEP_END, meta, tensors)
-        return out
+        return results, self._backward_ran
 
     # Note [Join with pipeline parallelism] (smp/join.py): each iteration's join state
     # goes from the driver to its pp peers in an epoch of its own.
     def send_join_state(self, state):
         """Driver: opens an epoch for this iteration's join state and sends it."""
         self._open_epoch()
-        self._send_to_pp_ranks(K.STEP_END, pickle.dumps(("smp-join", state)))
+        self.dispatch.tell_pp_ranks(_C.Message(-1, 0, K.STEP_END, pickle.dumps(("smp-join", state))))
 
     def receive_join_state(self):
         """Peer: the driver's join state of this iteration (its ABORT raises)."""
@@ -391,12 +402,6 @@ class Engine:
             raise RuntimeError("smp.join: pipeline protocol error: expected the join state "
                                f"from pp rank 0, got {tag!r}")
         return state
-
-    def _send_to_pp_ranks(self, kind, payload, tensors=(), to_self=False):
-        """The driver's word to every other pp rank (and, with `to_self`, to itself): a
-        message of `kind` outside any microbatch (ABORT, STEP_END) carrying `payload`."""
-        for r in range(0 if to_self else 1, core.pp_size()):
-            self.p2p.send(r, _C.Message(-1, 0, kind, payload, list(tensors)))
 
     def _timeline_spans(self):
         """The backward spans of the calls served in C++ (Note [Served backward])."""
@@ -415,7 +420,7 @@ class Engine:
             if mine is not None:
                 raise mine  # See Note [One traceback per error]
             raise exc from RemoteTraceback(text)
-        return _decode_step_end(msg.meta, msg.tensors)
+        return _decode_step_end(msg)
 
     def own_error(self, exc):
         """The exception this rank raised while serving that `exc` (received back from

@@ -160,7 +160,7 @@ except ValueError as e:
     for r in ranks(script, 2, check=False, timeout=60):
         assert r.returncode == 3, r
         assert ("ConfigError smp: invalid config on rank 1: smp: config 'pipeline'='gpipe' is not "
-                "one of {interleaved, simple, 1f1b}") in r.stdout, r
+                "one of {interleaved, simple, 1f1b, zero_bubble}") in r.stdout, r
 
 
 def test_world_not_divisible_by_partitions(ranks):

@@ -131,7 +131,7 @@ def test_consumer_world_of_one(consumer):
     out = run([consumer])
     f = fields(out)
     assert f["config_error"] == \
-        "smp: config 'pipeline'='gpipe' is not one of {interleaved, simple, 1f1b}", out
+        "smp: config 'pipeline'='gpipe' is not one of {interleaved, simple, 1f1b, zero_bubble}", out
     assert f["rank"] == "0 world=1 pp_rank=0 pp_size=1 dp_rank=0 dp_size=1", out
     assert f["config"].startswith('{"active_microbatches":3,"auto_partition":true,'), out
     assert '"partitions":1' in f["config"] and '"memory_weight":0.2' in f["config"], out

@@ -351,5 +351,52 @@ TEST(Dispatch, FailingServedBackwardAnswersWithTheEncodedError) {
   });
 }
 
+// Note [Step end]: the microbatches' shares reach every pp rank in one kStepEnd, in
+// microbatch order whatever order the bodies finished in; a body's error aborts the step
+// on every rank instead, the first error only.
+TEST(Dispatch, DriveStepSendsOneStepEndOrTheFirstError) {
+  constexpr int64_t kMbs = 4;
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    auto p2p = std::make_shared<P2PEngine>(store, "step_end", r, 2, 20);
+    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
+    for (const bool fail : {false, true}) {
+      d.begin_step(kMbs);
+      p2p->begin_step(fail ? 2 : 1);
+      if (r == 0) {
+        const bool ended = d.drive_step([&](int64_t mb) {
+          // Later microbatches finish first.
+          std::this_thread::sleep_for(std::chrono::milliseconds(5 * (kMbs - mb)));
+          if (fail && mb >= 1) {  // 1 failed first (its error is sent); 2 and 3 know it did
+            Message abort = make(mb, 0, kAbort);
+            if (mb == 1) abort.meta = "boom in microbatch 1";
+            return abort;
+          }
+          Message part = make(mb, 0, kStepEnd, std::vector<at::Tensor>(mb, at::full({2}, float(mb))));
+          part.meta = std::string(static_cast<size_t>(mb) + 1, static_cast<char>('a' + mb));
+          return part;
+        });
+        EXPECT_EQ(ended, !fail);
+        if (fail)  // the driver's own tasks see the abort too
+          EXPECT_EQ(p2p->recv(kAny, kAny, bit(kAbort), "the abort").meta, "boom in microbatch 1");
+      } else {
+        Message end = d.serve_step();
+        if (fail) {
+          EXPECT_EQ(end.kind, kAbort);
+          EXPECT_EQ(end.meta, "boom in microbatch 1");
+        } else {
+          ASSERT_EQ(end.kind, kStepEnd);
+          const auto parts = Dispatcher::step_end_parts(end);
+          ASSERT_EQ(parts.size(), static_cast<size_t>(kMbs));
+          for (int64_t mb = 0; mb < kMbs; ++mb) {
+            EXPECT_EQ(parts[mb].meta, std::string(static_cast<size_t>(mb) + 1, static_cast<char>('a' + mb)));
+            ASSERT_EQ(parts[mb].tensors.size(), static_cast<size_t>(mb));
+            for (const auto& t : parts[mb].tensors) EXPECT_TRUE(t.equal(at::full({2}, float(mb))));
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace smp

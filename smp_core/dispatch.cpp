@@ -646,15 +646,14 @@ struct Dispatcher::Impl {
         // Under a plan the leader takes the request whose turn it is and no other, so
         // that it never waits for the token holding a request while the one next in the
         // plan sits in the mailbox (Note [Executed plan]).
-        // The token's order went off under the plan (a kPlanOff arrived: p2p.h), while
-        // this leader waited for a request outside the plan's mask: leave it here too.
-        if (planned_now() && !p2p->token_ordered()) leave_plan_on_word();
         if (weights_to_flush()) {  // Note [Zero bubble at run time]: the step left its plan
           flush_weights();
           continue;
         }
         int64_t want_mb = kAny;
-        uint32_t mask = kServeMask | bit(kStepEnd) | bit(kPlan);
+        // Under a plan whose token order already went off (p2p.h: a kPlanOff that
+        // arrived does that), the kPlanOff is taken here too, once (it is sticky).
+        uint32_t mask = kServeMask | bit(kStepEnd) | bit(kPlan) | (planned_now() ? bit(kPlanOff) : 0);
         if (const auto next = next_planned_request()) {
           if (next->second == kOwnWeight) {
             run_planned_weight(next->first);

@@ -279,6 +279,30 @@ except ValueError as e:
         assert f"failed: pp rank 1, microbatch {m.group(1)}, forward" in r.stderr, r
 
 
+def test_step_output_that_cannot_be_sent_fails_the_step_on_every_rank(ranks):
+    # Note [Step end]: a microbatch's outputs are encoded in its own body, so one that
+    # cannot travel fails the step on every rank at once. Before, the driver raised
+    # and the other pp rank waited for the step's end until its timeout.
+    script = MODELS + r"""
+import sys, threading, time
+smp.init({"partitions": 2, "microbatches": 2, "timeout_s": 60})
+model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+@smp.step
+def step(x):
+    out = model(x)
+    model.backward(out.sum())
+    return out, threading.Lock()
+start = time.perf_counter()
+try:
+    step(torch.randn(4, 8))
+except TypeError as e:
+    print("raised:", "_thread.lock" in str(e), "in time:", time.perf_counter() - start < 30)
+    sys.exit(3)
+"""
+    for r in ranks(script, 2, check=False, timeout=120):
+        assert r.returncode == 3 and "raised: True in time: True" in r.stdout, r
+
+
 def test_remote_traceback_printed_once_per_rank(ranks):
     # pp=3: the driver (rank 0), the module's owner (rank 1, where it raises) and a
     # bystander (rank 2). Each rank's uncaught traceback holds the raising line once;

@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from smp import core
-from smp import agreement, grad_guard
+from smp import activation_checkpointing, agreement, grad_guard
 from smp import join as _join
 from smp.model_pipeline import PipelinePart
 from smp.model_state import ModelStateMixin
@@ -250,6 +250,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             # Deferred to the first step, not wrap time (SMP semantics).
             self.replica.broadcast_state()
         self.partitioned = True
+        activation_checkpointing.after_partition(self)
         self._apply_pending_state()  # deferred model/optimizer loads (model_state.py)
         for hook in list(self._post_partition_hooks.values()):
             hook(self, core.state.optimizer)

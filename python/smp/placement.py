@@ -27,6 +27,9 @@ __all__ = []
 _routes = {}
 # id(nn.Sequential) -> list of (kind, value): "local" module or "remote" (name, owner).
 _segments = {}
+# id(nn.Sequential) -> the Sequentials of its runs this rank serves (Note [Sequential
+# segments]).
+_served = {}
 _remote_classes = {}
 _segmented_classes = {}
 
@@ -82,11 +85,36 @@ def _swap_class(module, make):
     module.__class__ = make(base)
 
 
+def is_routed(module):
+    """Whether `module`'s calls go to another rank (Note [Routing by class])."""
+    return id(module) in _routes
+
+
+def sequential_steps(seq):
+    """How the nn.Sequential `seq` runs on this rank, in order: ("local", child) for a
+    child run here, ("remote", fn) for a child or a run of children that another rank
+    serves (Note [Sequential segments]); fn takes and returns the activation."""
+    steps = []
+    for kind, value in _segments.get(id(seq), [("local", c) for c in seq]):
+        if kind == "local":
+            steps.append(("remote" if is_routed(value) else "local", value))
+        else:
+            engine, name, owner = value
+            steps.append(("remote", lambda x, e=engine, n=name, o=owner: e.call(n, o, (x,), {})))
+    return steps
+
+
+def served_segments(seq):
+    """The Sequentials of runs of `seq`'s children that this rank serves."""
+    return list(_served.get(id(seq), []))
+
+
 def restore_classes(table):
     """Undoes the class swaps (tests, re-initialisation)."""
     for _, m in table:
         _routes.pop(id(m), None)
         _segments.pop(id(m), None)
+        _served.pop(id(m), None)
         base = type(m)
         if getattr(base, "_smp_remote", False) or base in _segmented_classes.values():
             m.__class__ = base.__mro__[1]
@@ -331,6 +359,7 @@ def _segment_sequential(pname, parent, by_id, owner_of, engine, me):
         engine.subtrees[seg] = [m for n in names for m in engine.subtrees[n]]
         if o == me:
             engine.owned[seg] = torch.nn.Sequential(*run)
+            _served.setdefault(id(parent), []).append(engine.owned[seg])
         plan.append(("remote", (engine, seg, o)))
         coalesced = True
     if coalesced and owner_of[pname] == me:

@@ -409,6 +409,13 @@ def main():
                     for kind in ("interleaved", "simple", "1f1b")}
     planned_runs["zero_bubble"] = zero_bubble
     out["smp_planned_schedule_ms"] = {k: round(v["ms"], 1) for k, v in planned_runs.items()}
+    # Each side's best schedule, as a user of either would pick it (`ratio` keeps smp's
+    # default, "interleaved").
+    if out.get("torch_pp_best_ms"):
+        best = min(list(out["smp_schedule_ms"].items()) + list(out["smp_planned_schedule_ms"].items()),
+                   key=lambda kv: kv[1])
+        out["smp_best_schedule"] = best[0]
+        out["ratio_best_schedules"] = round(best[1] / out["torch_pp_best_ms"], 3)
     # Measured bubble: the share of a step each pp rank's compute token sat idle, mean
     # over the ranks; zero_bubble's against 1F1B's, both executed as planned.
     out["measured_bubble_fraction"] = {

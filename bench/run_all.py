@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHES = ["ddp.py", "pipeline.py", "checkpoint.py", "powersgd.py", "init.py"]
+BENCHES = ["ddp.py", "pipeline.py", "checkpoint.py", "powersgd.py", "init.py",
+           "activation_checkpointing.py"]
 
 if __name__ == "__main__":
     failed = 0

@@ -3,7 +3,7 @@ ranks' PYTHONPATH, see conftest.rank_env)."""
 import torch
 import torch.nn as nn
 
-__all__ = ["Net"]
+__all__ = ["Net", "gpt_job", "train_gpt"]
 
 
 class Net(nn.Module):
@@ -19,3 +19,46 @@ class Net(nn.Module):
         h = torch.relu(self.fc1(x))
         h = torch.relu(self.fc2(h))
         return self.head(torch.relu(self.fc3(h)))
+
+
+def gpt_job(smp, gpt_class, cfg, dropout=0.2):
+    """smp.init(cfg with 4 microbatches), then examples/gpt_checkpoint.py's GPT from seed 0
+    with every Dropout at `dropout`, wrapped, with AdamW: (model, optimizer)."""
+    smp.init(dict(cfg, microbatches=4))
+    torch.manual_seed(0)
+    net = gpt_class()
+    for m in net.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = dropout
+    model = smp.DistributedModel(net)
+    return model, smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=3e-3))
+
+
+def train_gpt(smp, model, opt, vocab, ctx, steps=3, per=8):
+    """`steps` optimizer steps of a GPT-style `model` (examples/gpt_checkpoint.py) on
+    seeded token data, `per` sequences per dp rank; returns the losses and a SHA-256 of
+    every parameter (the full state on every rank), for comparing runs for equality."""
+    import hashlib
+    loss_fn = nn.functional.cross_entropy
+
+    @smp.step
+    def train_step(x, y):
+        loss = loss_fn(model(x).flatten(0, 1), y.flatten())
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        data = torch.randint(0, vocab, (per * smp.dp_size(), ctx + 1), generator=g)
+        x, y = data[:, :-1], data[:, 1:]
+        lo = smp.dp_rank() * per
+        losses.append(train_step(x[lo:lo + per], y[lo:lo + per]).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    digest = hashlib.sha256()
+    for k in sorted(state):
+        digest.update(k.encode())
+        digest.update(state[k].detach().contiguous().numpy().tobytes())
+    return losses, digest.hexdigest()

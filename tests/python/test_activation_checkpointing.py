@@ -15,22 +15,15 @@ import pytest
 EXAMPLES = str(pathlib.Path(__file__).resolve().parents[2] / "examples")
 
 TRAIN = r"""
-import hashlib, json, sys
-import torch, torch.nn as nn
+import json, sys
 import smp
 
 opts = json.loads(sys.argv[1])
 sys.path.insert(0, opts["examples"])
 from gpt_checkpoint import CTX, GPT, VOCAB
 
-smp.init(dict(opts["cfg"], microbatches=4))
-torch.manual_seed(0)
-net = GPT()
-for m in net.modules():
-    if isinstance(m, nn.Dropout):
-        m.p = 0.2
-model = smp.DistributedModel(net)
-opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=3e-3))
+from nets import gpt_job, train_gpt  # tests/python/nets.py
+model, opt = gpt_job(smp, GPT, opts["cfg"])
 calls = [0]
 def count(module, args):
     if not smp.is_tracing():  # the trace runs every module once, on every rank
@@ -45,31 +38,10 @@ for b in model.get_module().blocks:
     for layer in b.mlp:
         layer.register_forward_pre_hook(count)
 
-@smp.step
-def train_step(x, y):
-    loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    model.backward(loss)
-    return loss
-
-per, dp = 8, smp.dp_size()
-losses = []
-for step in range(3):
-    g = torch.Generator().manual_seed(1000 + step)
-    data = torch.randint(0, VOCAB, (per * dp, CTX + 1), generator=g)
-    x, y = data[:, :-1], data[:, 1:]
-    lo = smp.dp_rank() * per
-    losses.append(train_step(x[lo:lo + per], y[lo:lo + per]).reduce_mean().item())
-    opt.step()
-    opt.zero_grad()
-state = model.state_dict()
-digest = hashlib.sha256()
-for k in sorted(state):
-    digest.update(k.encode())
-    digest.update(state[k].detach().contiguous().numpy().tobytes())
-calls = sum(smp.allgather(calls[0])) // dp
+losses, params = train_gpt(smp, model, opt, VOCAB, CTX)
+calls = sum(smp.allgather(calls[0])) // smp.dp_size()
 if smp.rank() == 0:
-    print("RESULT " + json.dumps({"losses": losses, "params": digest.hexdigest(),
-                                  "calls": calls}))
+    print("RESULT " + json.dumps({"losses": losses, "params": params, "calls": calls}))
 smp.shutdown()
 """
 

@@ -26,6 +26,7 @@ Where it applies:
 - Only while grad is enabled and outside the trace.
 """
 import re
+import weakref
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,7 @@ from smp import core
 __all__ = ["set_activation_checkpointing"]
 
 _STRATEGY = re.compile(r"each|contiguous|group_([1-9][0-9]*)")
-_configs = {}  # id(module) -> _Config
+_configs = weakref.WeakKeyDictionary()  # module -> _Config (a module gone, its entry too)
 
 
 class _Config:
@@ -86,7 +87,7 @@ def set_activation_checkpointing(module, preserve_rng_state=True, pack_args_as_t
 
 
 def _mark(module, cfg):
-    _configs[id(module)] = cfg
+    _configs[module] = cfg
     if isinstance(module, nn.Sequential):
         module.forward = _SequentialForward(module, cfg)
     else:
@@ -158,7 +159,7 @@ class _SequentialForward:
 def after_partition(model):
     """Every rank, once the model is partitioned (DistributedModel._partition)."""
     for module in list(model.get_module().modules()):
-        if id(module) in _configs:
+        if module in _configs:
             _place(module)
 
 
@@ -167,7 +168,7 @@ def _place(module):
     another rank: the runs of its children this rank serves (Note [Sequential segments])
     are checkpointed here with its strategy, and so is each lone child served here."""
     from smp import placement
-    cfg = _configs[id(module)]
+    cfg = _configs[module]
     if not isinstance(module, nn.Sequential):
         return
     segments = placement.served_segments(module)

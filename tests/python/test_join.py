@@ -11,6 +11,8 @@ smp's PowerSGD with two buckets lands exactly where torch's hook does under torc
 import json
 import re
 
+import pytest
+
 
 SCRIPT = r"""
 import copy, json, sys
@@ -21,7 +23,8 @@ from smp.join import Join, Joinable, JoinHook
 
 opts = json.loads(sys.argv[1])
 pp = opts.get("partitions", 1)
-smp.init({"ddp": True, "partitions": pp, "microbatches": opts.get("microbatches", 1)})
+smp.init({"ddp": True, "partitions": pp, "microbatches": opts.get("microbatches", 1),
+          "pipeline": opts.get("pipeline", "interleaved")})
 dp_rank, dp_size = smp.dp_rank(), smp.dp_size()
 torch.manual_seed(0)
 
@@ -217,8 +220,13 @@ def test_throw_on_early_termination_pipeline(ranks):
     assert lines == [_EXHAUSTED, _EXHAUSTED, _DETECTED, _DETECTED], lines
 
 
-def test_pipeline_two_by_two_uneven(ranks):
-    _run(ranks, 4, {"partitions": 2, "microbatches": 2})
+@pytest.mark.parametrize("pipeline", ["interleaved", "zero_bubble"])
+def test_pipeline_two_by_two_uneven(ranks, pipeline):
+    # zero_bubble: the shadow steps of a joined replica run beside planned steps whose
+    # weight halves are deferred (Note [Zero bubble at run time]).
+    res = _run(ranks, 4, {"partitions": 2, "microbatches": 2, "pipeline": pipeline})
+    if pipeline == "zero_bubble":
+        assert "executing the pipeline plan zero_bubble" in res[0].stderr, res[0]
 
 
 UNEVEN_WITHOUT_JOIN = r"""

@@ -235,7 +235,7 @@ def test_manual_partition_honoured(ranks):
     assert plan["first"] == 1 and plan["last"] == 1 and plan["mid"] == 0 and plan[""] == 0
 
 
-@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
+@pytest.mark.parametrize("pipeline", ["interleaved", "simple", "zero_bubble"])
 def test_nested_calls_back_into_the_driver(ranks, pipeline):
     # Rank 1 serves `outer` and, inside it, waits on `outer.back` owned by rank 0 while
     # other microbatches' requests keep being served (Note [Serving]).

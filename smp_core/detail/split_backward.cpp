@@ -196,7 +196,10 @@ std::vector<at::Tensor> backward_input_half(const std::vector<at::Tensor>& outpu
   };
   std::vector<Source> sources;
   std::unordered_map<Node*, size_t> source_of;
-  for (Node* n : graph.order) {
+  // Parents before children: the order a whole backward reaches them, so W accumulates
+  // the last layers' parameters first, as DDP's buckets expect (they launch in order).
+  for (auto it = graph.order.rbegin(); it != graph.order.rend(); ++it) {
+    Node* n = *it;
     if (!graph.on_input_path(n) || input_nodes.count(n)) continue;
     if (n->num_inputs() == 0) continue;
     auto params = graph.params_below(n, /*skip_self=*/true);
@@ -252,11 +255,19 @@ std::vector<at::Tensor> backward_input_half(const std::vector<at::Tensor>& outpu
       auto [it, fresh] = owner.emplace(p, s);
       if (!fresh) parent[find(s)] = find(it->second);
     }
-  std::map<size_t, WeightHalf::State::Group> groups;  // by representative, in order
-  std::map<size_t, std::unordered_set<Node*>> group_params;
-  std::map<size_t, size_t> boundaries;
+  // Groups in the order of their first source.
+  std::vector<WeightHalf::State::Group> groups;
+  std::vector<std::unordered_set<Node*>> group_params;
+  std::vector<size_t> boundaries;
+  std::unordered_map<size_t, size_t> group_of;  // representative -> index in `groups`
   for (size_t s = 0; s < sources.size(); ++s) {
-    const size_t rep = find(s);
+    const auto [slot, fresh] = group_of.emplace(find(s), groups.size());
+    if (fresh) {
+      groups.emplace_back();
+      group_params.emplace_back();
+      boundaries.push_back(0);
+    }
+    const size_t rep = slot->second;
     auto& g = groups[rep];
     const Source& src = sources[s];
     if (src.boundary) {
@@ -278,9 +289,9 @@ std::vector<at::Tensor> backward_input_half(const std::vector<at::Tensor>& outpu
     for (Node* p : src.params)
       if (group_params[rep].insert(p).second) g.params.emplace_back(graph.info.at(p).ptr, 0);
   }
-  for (auto& [rep, g] : groups) {
-    if (boundaries[rep] < 2) g.clamps.clear();  // no boundary lies below another
-    if (!g.roots.empty()) state->groups.push_back(std::move(g));
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (boundaries[i] < 2) groups[i].clamps.clear();  // no boundary lies below another
+    if (!groups[i].roots.empty()) state->groups.push_back(std::move(groups[i]));
   }
   if (weight) weight->state_ = std::move(state);
   return result;

@@ -25,9 +25,13 @@ opt = smp.DistributedOptimizer(opt)
 last_bwd = [0.0]
 def on_backward(module, grad_in, grad_out):
     last_bwd[0] = max(last_bwd[0], time.monotonic())
+def on_grad(grad):  # a parameter's gradient: under zero_bubble, in its weight half
+    last_bwd[0] = max(last_bwd[0], time.monotonic())
 for m in net.modules():
     if isinstance(m, nn.Linear):
         m.register_full_backward_hook(on_backward)
+        for p in m.parameters():
+            p.register_hook(on_grad)
 
 @smp.step
 def train_step(x, y):
@@ -55,7 +59,7 @@ def _state(res):
     return json.loads(res[0].stdout.split("STATE", 1)[1].strip().splitlines()[0])
 
 
-@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
+@pytest.mark.parametrize("pipeline", ["interleaved", "simple", "zero_bubble"])
 def test_buckets_launch_during_the_pipeline_backward_with_the_same_result(ranks, pipeline):
     on = ranks(SCRIPT, 4, args=(json.dumps({"overlap": True, "pipeline": pipeline}),),
                timeout=180)

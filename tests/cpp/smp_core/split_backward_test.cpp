@@ -143,5 +143,26 @@ TEST(SplitBackward, AccumulatorHooksRunInTheWeightHalf) {
   EXPECT_TRUE(w.grad().defined());
 }
 
+// W reaches the parameters in the order a whole backward does, the last layer's first:
+// DDP's buckets (last layers first) then launch while the rest of W runs.
+TEST(SplitBackward, WeightHalfAccumulatesTheLastLayerFirst) {
+  at::manual_seed(6);
+  auto x = at::randn({2, 4}).set_requires_grad(true);
+  auto w1 = at::randn({4, 4}).set_requires_grad(true);
+  auto w2 = at::randn({4, 4}).set_requires_grad(true);
+  auto w3 = at::randn({4, 4}).set_requires_grad(true);
+  std::vector<int> order;
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(w1))> keep;
+  for (auto [w, id] : {std::pair{w1, 1}, std::pair{w2, 2}, std::pair{w3, 3}}) {
+    keep.push_back(torch::autograd::impl::grad_accumulator(w));
+    keep.back()->add_pre_hook(std::make_unique<GradGateHook>([&order, id = id] { order.push_back(id); }));
+  }
+  auto y = at::linear(at::linear(at::linear(x, w1).tanh(), w2).tanh(), w3);
+  WeightHalf half;
+  backward_input_half({y}, {at::ones_like(y)}, {x}, &half);
+  half.run();
+  EXPECT_EQ(order, (std::vector<int>{3, 2, 1}));
+}
+
 }  // namespace
 }  // namespace smp::detail

@@ -161,6 +161,21 @@ def test_data_dependent_step_leaves_the_plan_and_matches_one_process(ranks, pipe
         assert rep["planned_steps"] == 1 and rep["fallbacks"] == 1, rep
 
 
+# Three steps of `model`; a ValueError is printed with its step and exits 3.
+RUN_THREE_STEPS = r"""
+@smp.step
+def step(x):
+    out = model(x)
+    model.backward(out.sum())
+    return out
+for i in range(3):
+    try:
+        step(torch.randn(4, 8))
+    except ValueError as e:
+        print("raised in step", i + 1, e)
+        sys.exit(3)
+"""
+
 FAILS = COMMON + r"""
 class Late(nn.Linear):
     calls = 0
@@ -184,18 +199,8 @@ class Two(nn.Module):
 smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0,
           "timeout_s": 60, "pipeline_order": "planned"})
 model = smp.DistributedModel(Two())
-@smp.step
-def step(x):
-    out = model(x)
-    model.backward(out.sum())
-    return out
-for i in range(3):
-    try:
-        step(torch.randn(4, 8))
-    except ValueError as e:
-        print("raised in step", i + 1, e)
-        sys.exit(3)
 """
+FAILS += RUN_THREE_STEPS
 
 
 DYNAMIC = EXECUTE.replace(', pipeline_order="planned"', "")
@@ -239,19 +244,8 @@ def hook(grad):  # runs where pp rank 1's weight gradient accumulates: in its W
     return grad
 if smp.pp_rank() == 1:
     model.module.b.weight.register_hook(hook)
-@smp.step
-def step(x):
-    out = model(x)
-    model.backward(out.sum())
-    return out
-for i in range(3):
-    try:
-        step(torch.randn(4, 8))
-    except ValueError as e:
-        st = model._engine.dispatch.stats()
-        print("raised in step", i + 1, e, "split", st.split_backwards, "weights", st.weight_actions)
-        sys.exit(3)
 """
+WFAILS += RUN_THREE_STEPS
 
 
 def test_failure_in_a_weight_action_fails_the_step_on_every_rank(ranks):

@@ -36,6 +36,18 @@ Phase phase_of(const Message& m) {
   return m.kind == kBackwardRequest ? Phase::kBackward : Phase::kForward;
 }
 
+// The compute token, taken at `priority` for the scope of this object.
+class HeldToken {
+ public:
+  HeldToken(P2PEngine& p2p, int64_t priority) : p2p_(p2p) { p2p_.acquire_token(priority); }
+  ~HeldToken() { p2p_.release_token(); }
+  HeldToken(const HeldToken&) = delete;
+  HeldToken& operator=(const HeldToken&) = delete;
+
+ private:
+  P2PEngine& p2p_;
+};
+
 // Puts the default generators back as they were when it was made (`on`), whatever
 // the step's tasks left in them.
 class RestoreRng {
@@ -463,22 +475,20 @@ struct Dispatcher::Impl {
     if (!failed) backward_unit_over(mb);
   }
 
+  // The oldest pending W of microbatch `mb` (kAny: of the lowest microbatch pending).
+  std::optional<std::pair<int64_t, detail::WeightHalf>> take_weight(int64_t mb) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = mb == kAny ? weights.begin() : weights.find(mb);
+    if (it == weights.end()) return std::nullopt;
+    std::pair<int64_t, detail::WeightHalf> w{it->first, std::move(it->second.front())};
+    it->second.pop_front();
+    if (it->second.empty()) weights.erase(it);
+    return w;
+  }
+
   // Every pending W, microbatch by microbatch (the caller holds the token).
   void run_weights_held() {
-    while (true) {
-      int64_t mb = -1;
-      detail::WeightHalf w;
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        if (weights.empty()) return;
-        auto it = weights.begin();
-        mb = it->first;
-        w = std::move(it->second.front());
-        it->second.pop_front();
-        if (it->second.empty()) weights.erase(it);
-      }
-      run_one_weight(mb, std::move(w));
-    }
+    while (auto w = take_weight(kAny)) run_one_weight(w->first, std::move(w->second));
   }
 
   // The serving leader, at a W's turn in the plan.
@@ -486,22 +496,9 @@ struct Dispatcher::Impl {
     TaskContext task;
     task.mb = mb;
     TaskScope scope(&task);
-    p2p->acquire_token(admit(mb, kWeightPhase));
-    struct Release {
-      P2PEngine& p;
-      ~Release() { p.release_token(); }
-    } release{*p2p};
-    std::optional<detail::WeightHalf> w;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      auto it = weights.find(mb);
-      if (it != weights.end()) {  // else its I failed: the step is failing
-        w = std::move(it->second.front());
-        it->second.pop_front();
-        if (it->second.empty()) weights.erase(it);
-      }
-    }
-    if (w) run_one_weight(mb, std::move(*w));
+    const HeldToken held(*p2p, admit(mb, kWeightPhase));
+    // None pending: its I failed, and the step is failing.
+    if (auto w = take_weight(mb)) run_one_weight(mb, std::move(w->second));
     bool last = false;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -526,11 +523,7 @@ struct Dispatcher::Impl {
       TaskContext task;
       task.mb = first;
       TaskScope scope(&task);
-      p2p->acquire_token(schedule.priority(first, Phase::kBackward));
-      struct Release {
-        P2PEngine& p;
-        ~Release() { p.release_token(); }
-      } release{*p2p};
+      const HeldToken held(*p2p, schedule.priority(first, Phase::kBackward));
       run_weights_held();
     }
     report_weights();
@@ -546,6 +539,21 @@ struct Dispatcher::Impl {
       gone.swap(weights);
     }
     report_weights();
+  }
+
+  // Sends the step-level `msg` (its mb becomes -1) to every other pp rank and, with
+  // `to_self`, to this one. `best_effort`: a peer that cannot be reached is skipped (its
+  // own failure ends its step) instead of throwing.
+  void tell_pp_ranks(Message msg, bool to_self, bool best_effort) {
+    msg.mb = -1;
+    for (int r = 0; r < p2p->size(); ++r) {
+      if (r == p2p->rank() && !to_self) continue;
+      try {
+        p2p->send(r, msg);
+      } catch (...) {
+        if (!best_effort) throw;
+      }
+    }
   }
 
   // Serving: this step's kWeightsDone to the driver, once.
@@ -612,11 +620,7 @@ struct Dispatcher::Impl {
     task.mb = msg.mb;
     task.rng = msg.rng;
     TaskScope scope(&task);
-    p2p->acquire_token(admit(msg.mb, phase_of(msg)));
-    struct Release {
-      P2PEngine& p;
-      ~Release() { p.release_token(); }
-    } release{*p2p};
+    const HeldToken held(*p2p, admit(msg.mb, phase_of(msg)));
     run_held(msg, /*installed=*/true);
   }
 
@@ -875,15 +879,8 @@ struct Dispatcher::Impl {
     }
     p2p->order_token(false);
     Message off;
-    off.mb = -1;
     off.kind = kPlanOff;
-    for (int r = 0; r < p2p->size(); ++r) {
-      if (r == p2p->rank()) continue;
-      try {
-        p2p->send(r, off);
-      } catch (...) {  // a peer gone: the step fails on its own
-      }
-    }
+    tell_pp_ranks(std::move(off), /*to_self=*/false, /*best_effort=*/true);
   }
 
   // A serving leader: the microbatch and request kind of the action whose turn it is
@@ -1143,15 +1140,9 @@ void Dispatcher::drive(MicrobatchFn run) {
   I.rethrow_error();
   if (weight_failure) {  // every pp rank raises it, the driver too
     Message abort;
-    abort.mb = -1;
     abort.kind = kAbort;
     abort.meta = weight_failure->meta;
-    for (int r = 1; r < I.p2p->size(); ++r) {
-      try {
-        I.p2p->send(r, abort);
-      } catch (...) {  // a peer gone: its own failure ends its step
-      }
-    }
+    I.tell_pp_ranks(std::move(abort), /*to_self=*/false, /*best_effort=*/true);
     weight_failure->kind = kError;
     raise_answer(*weight_failure);
   }
@@ -1226,10 +1217,7 @@ std::vector<Message> Dispatcher::step_end_parts(const Message& end) {
 }
 
 void Dispatcher::tell_pp_ranks(Message msg, bool to_self) {
-  auto& I = *impl_;
-  msg.mb = -1;
-  for (int r = 0; r < I.p2p->size(); ++r)
-    if (r != I.p2p->rank() || to_self) I.p2p->send(r, msg);
+  impl_->tell_pp_ranks(std::move(msg), to_self, /*best_effort=*/false);
 }
 
 Message Dispatcher::serve_step() {

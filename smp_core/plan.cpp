@@ -206,6 +206,11 @@ bool Plan::splits(int64_t hop) const {
   return options_.kind == PlanKind::kZeroBubble && path_[hop] != options_.unsplit_rank;
 }
 
+std::vector<Op> Plan::hop_ops(int64_t hop) const {
+  if (splits(hop)) return {Op::kForward, Op::kBackwardInput, Op::kBackwardWeight};
+  return {Op::kForward, Op::kBackward};
+}
+
 bool Plan::hop_labels() const {
   std::vector<int> visits(options_.stages, 0);
   for (int64_t r : path_)
@@ -229,15 +234,8 @@ Plan Plan::compile(PlanOptions options) {
   // Every compute action not yet started, per rank.
   std::vector<std::vector<Action>> pending(ranks);
   for (int64_t mb = 0; mb < m; ++mb)
-    for (int64_t h = 0; h < hops; ++h) {
-      pending[path[h]].push_back({Op::kForward, mb, h});
-      if (plan.splits(h)) {
-        pending[path[h]].push_back({Op::kBackwardInput, mb, h});
-        pending[path[h]].push_back({Op::kBackwardWeight, mb, h});
-      } else {
-        pending[path[h]].push_back({Op::kBackward, mb, h});
-      }
-    }
+    for (int64_t h = 0; h < hops; ++h)
+      for (Op op : plan.hop_ops(h)) pending[path[h]].push_back({op, mb, h});
   // 1F1B's bound: hop h holds at most hops - h microbatches (pp rank s of a linear
   // path: S - s), so a rank runs a backward before it takes more forwards.
   const bool bounded = options.kind == PlanKind::k1F1B || options.kind == PlanKind::kZeroBubble;
@@ -422,8 +420,7 @@ void Plan::validate() const {
     }
   for (int64_t mb = 0; mb < m; ++mb)
     for (int64_t h = 0; h < hops; ++h)
-      for (Op op : splits(h) ? std::vector<Op>{Op::kForward, Op::kBackwardInput, Op::kBackwardWeight}
-                             : std::vector<Op>{Op::kForward, Op::kBackward})
+      for (Op op : hop_ops(h))
         if (!seen.count({static_cast<int>(op), mb, h}))
           throw std::logic_error(str_cat("smp: plan: ", Action{op, mb, h}.str(true),
                                          " is missing on pp rank ", path_[h]));

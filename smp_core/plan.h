@@ -147,6 +147,7 @@ class Plan {
   Plan(PlanOptions options, std::vector<int64_t> path, std::vector<std::vector<Action>> compute);
   bool hop_labels() const;  // some rank is visited more than once
   bool splits(int64_t hop) const;  // zero_bubble runs I and W at this hop
+  std::vector<Op> hop_ops(int64_t hop) const;  // a microbatch's compute actions at `hop`
 
   PlanOptions options_;
   std::vector<int64_t> path_;

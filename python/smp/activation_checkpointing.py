@@ -135,9 +135,7 @@ class _SequentialForward:
         from smp import placement
         steps = placement.sequential_steps(self.module)
         if not _active():
-            for kind, value in steps:
-                x = value(x)
-            return x
+            return _chain([step for _, step in steps], x)
         size = self.cfg.group_size()
         group = []
 

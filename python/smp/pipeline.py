@@ -18,8 +18,8 @@ receive order, the compute token's priorities, the driver's window and the hand-
 the lead when a request makes a nested call. A task computes only while it holds the
 rank's compute token, and gives it up while it waits for a message, so another
 microbatch's work proceeds: that is the pipeline. Python runs what it is handed: a
-module's forward (`Engine.serve`), or one microbatch's step body (`Engine._drive`). Messages are matched by (microbatch, call id, kind), never by
-arrival order.
+module's forward (`Engine.serve`), or one microbatch's step body (`Engine._drive`).
+Messages are matched by (microbatch, call id, kind), never by arrival order.
 
 Failures: a module that raises on its owner is answered with an ERROR carrying the
 exception and its traceback; the step body raises it on the driver, which then sends

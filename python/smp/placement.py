@@ -59,12 +59,8 @@ def _remote_class(cls):
 
 
 def _segmented_forward(self, x):
-    for kind, value in _segments[id(self)]:
-        if kind == "local":
-            x = value(x)
-        else:
-            engine, name, owner = value
-            x = engine.call(name, owner, (x,), {})
+    for _, step in sequential_steps(self):
+        x = step(x)
     return x
 
 

@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from smp import core
-from smp import activation_checkpointing, agreement, grad_guard
+from smp import activation_checkpointing, agreement, deferred_init, grad_guard
 from smp import join as _join
 from smp.model_pipeline import PipelinePart
 from smp.model_state import ModelStateMixin
@@ -95,7 +95,15 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
                 f"smp: config 'ddp'=false but the world holds {core.dp_size()} model replicas "
                 f"(world {core.size()} / partitions {cfg.partitions}); set 'ddp': true so "
                 "their gradients are reduced")
+        lazy = deferred_init.lazy_modules(module)
+        if lazy:
+            raise ValueError(f"smp.DistributedModel: modules {lazy} are torch lazy modules, "
+                             "which create their parameters in forward; smp partitions by "
+                             "the parameters a model has when it is wrapped. Run one "
+                             "forward before wrapping, or give them their sizes")
         self.module = module
+        # Note [Replayed init] (smp/deferred_init.py): meta tensors until partitioned.
+        self._deferred = deferred_init.is_deferred(module)
         self.trace_device = trace_device
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -117,11 +125,16 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self.replica = Replica(self.local_parameters, self.local_buffers, self.bucket_cap_mb,
                                gradient_as_bucket_view, overlapping_allreduce)
         _join.Joinable.__init__(self)  # Join: self._join_config (smp/join.py)
-        # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp raises.
-        self._grad_guard = (grad_guard.GradGuard(lambda: self._in_step,
-                                                 module.named_parameters())
-                            if self.replica.reduces else None)
+        self._grad_guard = None
+        if not self._deferred:  # (a deferred model's parameters change tensors first)
+            self._guard_gradients()
         core.state.model = self
+
+    def _guard_gradients(self):
+        # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp raises.
+        if self.replica.reduces:
+            self._grad_guard = grad_guard.GradGuard(lambda: self._in_step,
+                                                    self.module.named_parameters())
 
     # --- wrapper plumbing -------------------------------------------------------------
 
@@ -240,15 +253,23 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             agreement.agree_on_first_step(self.module, input_error)
         elif input_error is not None:
             raise input_error
+        self._state_shapes = {k: tuple(v.shape)
+                              for k, v in self.module.state_dict(keep_vars=True).items()}
+        if self._deferred and core.pp_size() == 1:
+            deferred_init.materialize(self.module)
         self._state_tensors = self.module.state_dict(keep_vars=True)
         if core.pp_size() > 1:
             part = PipelinePart(self.module, fn, mb_inputs, self.trace_execution_times,
-                                self.trace_memory_usage, self._stepping)
+                                self.trace_memory_usage, self._stepping, self._deferred)
             self._plan, self._owner, self._module_table = part.plan, part.owner, part.module_table
             self.pipeline = part
         if self.replica.reduces:
             # Deferred to the first step, not wrap time (SMP semantics).
             self.replica.broadcast_state()
+        if self._deferred:
+            self._deferred = False
+            self._guard_gradients()
+            deferred_init.check_optimizer(core.state.optimizer)
         self.partitioned = True
         activation_checkpointing.after_partition(self)
         self._apply_pending_state()  # deferred model/optimizer loads (model_state.py)

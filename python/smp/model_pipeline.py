@@ -6,15 +6,17 @@ engine with the tied-weight sum and the dp reduction overlapping the backward.
 and with partitions == 1) beside its `Replica` (smp/replica.py); the part gets what it
 needs from the model as arguments and reads no attribute of the model.
 """
+import contextlib
+
 import torch
 
-from smp import agreement, core, log, tracer
+from smp import agreement, core, deferred_init, log, tracer
 from smp.nested import map_leaves
 
 __all__ = []
 
 
-def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping):
+def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferred=False):
     """Runs the first microbatch through the whole model, recording the trace.
 
     `stepping()`: a context manager in which the model may be called (the step's).
@@ -23,18 +25,29 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping):
     tensors, so a module that changes its input in place does not change the
     user's batch before the step proper runs. A failure on any rank raises on
     every rank.
+
+    `deferred`: the model's tensors are meta tensors (smp/deferred_init.py), so the
+    trace runs on meta tensors, shapes only: the microbatch is moved to the meta
+    device and so is every tensor the step creates.
     """
-    recording = tracer.Trace(module, execution_times, memory_usage)
-    args, kwargs = map_leaves(mb_inputs[0], torch.Tensor.clone,
-                              lambda x: isinstance(x, torch.Tensor))
+    recording = tracer.Trace(module, execution_times and not deferred, memory_usage)
+    copy = (lambda t: t.to("meta")) if deferred else torch.Tensor.clone
+    args, kwargs = map_leaves(mb_inputs[0], copy, lambda x: isinstance(x, torch.Tensor))
     restore = agreement.snapshot_side_effects(module)
     core.state.tracing = True
     error = None
+    before = deferred_init.state_tensors(module) if deferred else None
     try:
-        with stepping(), recording, torch.no_grad():
+        with stepping(), recording, torch.no_grad(), \
+                (torch.device("meta") if deferred else contextlib.nullcontext()):
             fn(*args, **kwargs)
+        if deferred:
+            deferred_init.check_nothing_created(module, before)
     except Exception as exc:  # reported to every rank below
         error = exc
+        if deferred and not isinstance(exc, deferred_init.CreatedInForward):
+            error = type(exc)(f"{exc} (the first step traces a deferred model on meta "
+                              "tensors, shapes only: smp.delay_param_initialization)")
     finally:
         core.state.tracing = False
         restore()
@@ -62,12 +75,15 @@ class PipelinePart:
         tied: the parameters held on several pp ranks (placement.TiedParameters).
     """
 
-    def __init__(self, module, fn, mb_inputs, execution_times, memory_usage, stepping):
+    def __init__(self, module, fn, mb_inputs, execution_times, memory_usage, stepping,
+                 deferred=False):
         """Traces and partitions `module` on the first step's first microbatch, then
         routes every module owned elsewhere and starts the engine (collective over the
-        world; every rank or none raises)."""
+        world; every rank or none raises). `deferred`: the model's tensors are meta
+        tensors; each rank materializes what it keeps (smp/deferred_init.py)."""
         from smp import pipeline, placement
-        records = trace(module, fn, mb_inputs, execution_times, memory_usage, stepping)
+        records = trace(module, fn, mb_inputs, execution_times, memory_usage, stepping,
+                        deferred)
         nodes, plan = tracer.make_plan(records)
         hashes = core.allgather(plan.hash, core.CommGroup.MP_GROUP)
         if len(set(hashes)) != 1:
@@ -83,6 +99,8 @@ class PipelinePart:
                               lambda: plan.table(nodes), core.rank())
         self.engine = pipeline.Engine()
         self.tied = placement.apply(self.module_table, self.owner, self.engine, core.pp_rank())
+        if deferred:
+            deferred_init.materialize(module)
         self.tied.sync_values()
         self.engine.order_gradients(module.parameters())
         self._hold = None  # reducer indices of tied parameters (held to finalize)

@@ -21,12 +21,14 @@ class Net(nn.Module):
         return self.head(torch.relu(self.fc3(h)))
 
 
-def gpt_job(smp, gpt_class, cfg, dropout=0.2):
+def gpt_job(smp, gpt_class, cfg, dropout=0.2, deferred=False):
     """smp.init(cfg with 4 microbatches), then examples/gpt_checkpoint.py's GPT from seed 0
-    with every Dropout at `dropout`, wrapped, with AdamW: (model, optimizer)."""
+    with every Dropout at `dropout`, wrapped, with AdamW: (model, optimizer). `deferred`:
+    built inside smp.delay_param_initialization."""
     smp.init(dict(cfg, microbatches=4))
     torch.manual_seed(0)
-    net = gpt_class()
+    with smp.delay_param_initialization(enabled=deferred):
+        net = gpt_class()
     for m in net.modules():
         if isinstance(m, nn.Dropout):
             m.p = dropout

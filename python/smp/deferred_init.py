@@ -1,0 +1,498 @@
+"""Deferred parameter initialization: `smp.delay_param_initialization` (SMP v1's name).
+
+A model built inside the context holds no parameter storage: its tensors are meta
+tensors (shapes and dtypes only), and every operation the model's `__init__` runs on
+them is recorded. `smp.DistributedModel` traces the model on meta tensors, partitions
+it, and then each rank materializes only the tensors it owns by replaying the
+recorded operations that lead to them.
+
+Note [Replayed init]
+~~~~~~~~~~~~~~~~~~~~
+The promise is that a deferred model's values equal those of the same model built
+eagerly from the same seed, bit for bit, on every rank. Two things make that hold:
+
+- Random operations (those torch tags `nondeterministic_seeded`: `uniform_`,
+  `normal_`, `randn`, ...) draw from a generator whose state depends on every draw
+  before. While recording, each random operation runs once more on a scratch tensor
+  of the same geometry, right after its generator's state is saved: the generator
+  advances exactly as in the eager build (so the user's code after the model sees the
+  same random numbers), the scratch tensor is freed at once (peak memory: one
+  tensor), and replaying the operation later from the saved state draws the same
+  numbers whatever ran between.
+- Tensors are identified by their storage, not by their Python object: views
+  (`weight[0].fill_(0)`), `.data`, `Parameter(...)` and tied weights all share one.
+  An operation is recorded with a (storage, dtype, size, stride, offset) reference
+  for each deferred tensor, so replay rebuilds each view over the real storage, and
+  a rank replays exactly the operations that write the storages it keeps (and, for
+  what those read, the storages they read from).
+
+A model built under `torch.device("meta")` outside the context has no record: the
+owned modules are allocated and `reset_parameters()` initializes them, which cannot
+equal an eager build; a warning says so and names the modules that have no
+`reset_parameters()` (their values are left uninitialized).
+
+torch's FSDP initializes meta-device modules with `reset_parameters()` and makes no
+promise of equality; torchdistx records and replays operations in C++. This is the
+replay, with the generator states saved so a partial replay is exact.
+"""
+import contextlib
+import warnings
+
+import torch
+
+__all__ = []
+
+_ACTIVE = []       # the recording contexts entered (innermost last)
+_RECORDINGS = []   # every recording whose storages some live tensor may still use
+
+
+def _supported():
+    return hasattr(torch.Tensor, "untyped_storage") and hasattr(torch, "Tag")
+
+
+def _key(t):
+    return t.untyped_storage()._cdata
+
+
+class _Ref:
+    """A deferred tensor inside a recorded operation: a view of a recorded storage."""
+    __slots__ = ("key", "dtype", "size", "stride", "offset")
+
+    def __init__(self, t):
+        self.key, self.dtype = _key(t), t.dtype
+        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+
+
+class _Storage:
+    __slots__ = ("meta", "device", "nbytes")
+
+    def __init__(self, meta, device):
+        self.meta, self.device, self.nbytes = meta, device, meta.nbytes()
+
+
+class _Op:
+    __slots__ = ("func", "args", "kwargs", "reads", "writes", "outs", "rng")
+
+    def __init__(self, func, args, kwargs, reads, writes, outs, rng):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.reads, self.writes, self.outs, self.rng = reads, writes, outs, rng
+
+
+def _tree_map(fn, value):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tree_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tree_map(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+def _leaves(value, out):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _leaves(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _leaves(v, out)
+    else:
+        out.append(value)
+    return out
+
+
+def _written_args(func, args, kwargs):
+    """The tensor arguments `func` writes in place (its schema's `Tensor(a!)`)."""
+    written = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        written.extend(t for t in _leaves(value, []) if isinstance(t, torch.Tensor))
+    return written
+
+
+class Recording:
+    """The storages a deferred build created and the operations that wrote them."""
+
+    def __init__(self):
+        self.storages = {}  # storage key -> _Storage
+        self.ops = []
+        self.paused = False  # running an init function for real (record_call)
+
+    def covers(self, t):
+        return t.is_meta and _key(t) in self.storages
+
+    def device_of(self, t):
+        return self.storages[_key(t)].device
+
+    # --- recording ---------------------------------------------------------------------
+
+    def record(self, func, args, kwargs):
+        """Runs `func` on meta tensors in place of the deferred ones and records it;
+        returns its (meta) result, or NotImplemented for an operation not ours."""
+        if self.paused:
+            return NotImplemented
+        tensors = [t for t in _leaves((args, kwargs), []) if isinstance(t, torch.Tensor)]
+        deferred = [t for t in tensors if self.covers(t)]
+        device = kwargs.get("device")
+        factory = not tensors and device is not None and torch.device(device).type != "meta"
+        if not deferred and not factory:
+            return NotImplemented
+        device = torch.device(device) if factory else self.device_of(deferred[0])
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError(
+                "smp.delay_param_initialization: the model's construction reads the value "
+                f"of a tensor being initialized ({func}, e.g. .item() or a Python if on a "
+                "tensor); deferred initialization has no values to give. Build this model "
+                "without the context")
+        meta_kwargs = dict(kwargs, device=torch.device("meta")) if factory else kwargs
+
+        def to_meta(x):
+            return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
+        try:
+            out = func(*_tree_map(to_meta, args), **_tree_map(to_meta, meta_kwargs))
+        except Exception as e:
+            raise RuntimeError(f"smp.delay_param_initialization: {func} failed on a deferred "
+                               f"tensor: {e}") from e
+        writes = {_key(t) for t in _written_args(func, args, kwargs) if self.covers(t)}
+        outs = []
+        for o in _leaves(out, []):
+            if isinstance(o, torch.Tensor) and o.is_meta and _key(o) not in self.storages:
+                self.storages[_key(o)] = _Storage(o.untyped_storage(), device)
+                writes.add(_key(o))
+                outs.append(_key(o))
+            else:
+                outs.append(None)
+        if not writes:  # a view or a query: replay rebuilds views from the references
+            return out
+        rng = None
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            rng = self._draw_as_eager(func, args, kwargs, device)
+        ref = (lambda x: _Ref(x) if isinstance(x, torch.Tensor) and self.covers(x) else x)
+        self.ops.append(_Op(func, _tree_map(ref, args), _tree_map(ref, kwargs),
+                            {_key(t) for t in deferred}, writes, outs, rng))
+        return out
+
+    def record_call(self, fn, tensor, args, kwargs):
+        """Records `fn(tensor, *args, **kwargs)`, a torch.nn.init function, as one
+        operation (Note [Init functions]): runs it once on the tensor's real value
+        (replayed) so the generator advances as in an eager build, and saves the
+        generator's state before it."""
+        key = _key(tensor)
+        device = self.storages[key].device
+        generator = kwargs.get("generator")
+        self.paused = True
+        try:
+            real = self.replay({key})[key]
+            state = _generator_state(generator, device)
+            fn(_view(real, _Ref(tensor), device), *args, **kwargs)
+        finally:
+            self.paused = False
+        ref = (lambda x: _Ref(x) if isinstance(x, torch.Tensor) and self.covers(x) else x)
+        self.ops.append(_Op(fn, (_Ref(tensor),) + _tree_map(ref, tuple(args)),
+                            _tree_map(ref, kwargs), {key}, {key}, [], (generator, device, state)))
+        return tensor
+
+    def _draw_as_eager(self, func, args, kwargs, device):
+        """Saves the generator's state, then runs `func` on scratch tensors so the
+        generator advances as in an eager build (Note [Replayed init])."""
+        generator = kwargs.get("generator")
+        state = _generator_state(generator, device)
+        scratch = {}
+
+        def real(x):
+            if isinstance(x, torch.Tensor) and self.covers(x):
+                k = _key(x)
+                if k not in scratch:
+                    scratch[k] = torch.zeros(self.storages[k].nbytes, dtype=torch.uint8,
+                                             device=device).untyped_storage()
+                return _view(scratch[k], _Ref(x), device)
+            return x
+        func(*_tree_map(real, args), **_tree_map(real, kwargs))
+        return generator, device, state
+
+    # --- replay ------------------------------------------------------------------------
+
+    def replay(self, keys):
+        """Real storages for the storage `keys` (and nothing kept besides): runs, in
+        recorded order, every operation that writes one of them or something they read.
+        Returns {key: UntypedStorage}."""
+        needed = set(keys)
+        while True:  # the closure over what the needed writes read
+            grown = set(needed)
+            for op in self.ops:
+                if op.writes & grown:
+                    grown |= op.reads
+            if grown == needed:
+                break
+            needed = grown
+        real = {}
+        before = {}  # each generator's state before the replay, restored after it
+
+        def resolve(x):
+            if isinstance(x, _Ref):
+                if x.key not in real:  # written but not needed: scratch
+                    s = self.storages[x.key]
+                    real[x.key] = torch.zeros(s.nbytes, dtype=torch.uint8,
+                                              device=s.device).untyped_storage()
+                return _view(real[x.key], x, self.storages[x.key].device)
+            return x
+        try:
+            for op in self.ops:
+                if not op.writes & needed:
+                    continue
+                if op.rng is not None:
+                    generator, device, state = op.rng
+                    which = id(generator) if generator is not None else str(device)
+                    if which not in before:
+                        before[which] = (generator, device,
+                                         _generator_state(generator, device))
+                    _set_generator_state(generator, device, state)
+                out = op.func(*_tree_map(resolve, op.args), **_tree_map(resolve, op.kwargs))
+                for k, o in zip(op.outs, _leaves(out, [])):
+                    if k is not None:
+                        real[k] = o.untyped_storage()
+        finally:
+            for generator, device, state in before.values():
+                _set_generator_state(generator, device, state)
+        return {k: real[k] for k in keys if k in real}
+
+
+def _view(storage, ref, device):
+    t = torch.empty(0, dtype=ref.dtype, device=device)
+    return t.set_(storage, ref.offset, ref.size, ref.stride)
+
+
+def _generator_state(generator, device):
+    if generator is not None:
+        return generator.get_state()
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_generator_state(generator, device, state):
+    if generator is not None:
+        generator.set_state(state)
+    elif device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _make_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Recorder(TorchDispatchMode):
+        def __init__(self, recording):
+            super().__init__()
+            self.recording = recording
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = self.recording.record(func, args, kwargs or {})
+            if out is NotImplemented:
+                return func(*args, **(kwargs or {}))
+            return out
+    return _Recorder
+
+
+@contextlib.contextmanager
+def delay_param_initialization(enabled=True):
+    """Builds the model inside without parameter storage (SMP v1's name).
+
+        with smp.delay_param_initialization(enabled=True):
+            model = MyModel()
+        model = smp.DistributedModel(model)  # each rank allocates what it owns
+
+    The values each rank gets equal those of the model built eagerly from the same
+    seed (Note [Replayed init] in smp/deferred_init.py), and the random generator
+    after the block is where the eager build would have left it.
+
+    Raises:
+        ValueError: `enabled` is not a bool.
+        RuntimeError: this torch cannot record (torch < 2.0), or the construction
+            reads a tensor's value.
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"smp.delay_param_initialization: enabled={enabled!r} is not one "
+                         "of {True, False}")
+    if not enabled:
+        yield
+        return
+    if not _supported():
+        raise RuntimeError("smp.delay_param_initialization needs torch >= 2.0 (storage "
+                           f"identity and operator tags); this is torch {torch.__version__}")
+    recording = Recording()
+    _RECORDINGS.append(recording)
+    _ACTIVE.append(recording)
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS
+             if hasattr(torch.nn.init, name)}
+    try:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, _recorded_init(fn, recording))
+        with _make_mode()(recording):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+        _ACTIVE.pop()
+
+
+# Note [Init functions]
+# ~~~~~~~~~~~~~~~~~~~~~
+# torch.nn.init's functions return at once on a meta tensor (torch >= 2.x skips
+# `trunc_normal_`, `orthogonal_`, `dirac_`, `sparse_` there), and some read the values
+# they draw (`trunc_normal_` redraws until every value lies in [a, b]), so their aten
+# operations cannot be recorded on meta tensors. Inside the context each of them is
+# recorded whole instead: the call runs once on the tensor's real value, rebuilt by
+# replay, with the generator's state saved before, and replay calls it again.
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                   "eye_", "dirac_", "xavier_uniform_", "xavier_normal_",
+                   "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+def _recorded_init(fn, recording):
+    import functools
+
+    @functools.wraps(fn)
+    def init(tensor, *args, **kwargs):
+        if isinstance(tensor, torch.Tensor) and recording.covers(tensor) and \
+                not recording.paused:
+            with torch.no_grad():
+                return recording.record_call(fn, tensor, args, kwargs)
+        return fn(tensor, *args, **kwargs)
+    return init
+
+
+# --- materialization (smp.DistributedModel) ---------------------------------------------
+
+def state_tensors(module):
+    """(qualified name, owning module, attribute, tensor) of every parameter and buffer
+    under `module`, each tensor object once (its first name)."""
+    seen, out = set(), []
+    for mname, m in module.named_modules(remove_duplicate=False):
+        for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            out.append((f"{mname}.{attr}" if mname else attr, m, attr, t))
+    return out
+
+
+def is_deferred(module):
+    """Whether any parameter or buffer of `module` is a meta tensor."""
+    return any(t.is_meta for _, _, _, t in state_tensors(module))
+
+
+def _recording_of(t):
+    for r in _RECORDINGS:
+        if r.covers(t):
+            return r
+    return None
+
+
+def lazy_modules(module):
+    """Names of torch's lazy modules (they create parameters in forward)."""
+    lazy = getattr(torch.nn.modules.lazy, "LazyModuleMixin", ())
+    return [n for n, m in module.named_modules() if isinstance(m, lazy)]
+
+
+def materialize(module, device=None):
+    """Gives every meta parameter and buffer of `module` real storage: those with
+    elements (the ones this rank keeps) get their values (replayed, or from
+    `reset_parameters()` where nothing was recorded); empty ones (released by the
+    partition) become empty tensors on the device.
+
+    Returns the names of the tensors initialized without a record (for the warning).
+    """
+    entries = [e for e in state_tensors(module) if e[3].is_meta]
+    by_recording = {}
+    unrecorded = []
+    for e in entries:
+        t = e[3]
+        if t.numel() == 0:
+            continue
+        r = _recording_of(t)
+        if r is None:
+            unrecorded.append(e)
+        else:
+            by_recording.setdefault(id(r), (r, []))[1].append(e)
+    with torch.no_grad():
+        for r, es in by_recording.values():
+            real = r.replay({_key(t) for _, _, _, t in es})
+            for _, _, _, t in es:
+                _become(t, _view(real[_key(t)], _Ref(t), r.device_of(t)))
+        no_reset = _reset_unrecorded(module, unrecorded, device or torch.device("cpu"))
+        for _, _, _, t in entries:
+            if t.is_meta:  # released: nothing to hold
+                r = _recording_of(t)
+                dev = r.device_of(t) if r is not None else (device or torch.device("cpu"))
+                _become(t, torch.empty(0, dtype=t.dtype, device=dev))
+    return no_reset
+
+
+def _become(t, value):
+    """Gives the meta tensor `t` the storage of `value`, keeping its Python object (an
+    optimizer or a tied module may hold it). `t.data = value` refuses a device change
+    from meta, so the two objects' tensors are swapped (torch.utils.swap_tensors)."""
+    if isinstance(t, torch.nn.Parameter):
+        value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
+    torch.utils.swap_tensors(t, value)
+
+
+def _reset_unrecorded(module, entries, device):
+    """A model built under torch.device("meta"): allocates the kept tensors and runs
+    `reset_parameters()` of each module holding one. Returns the names left
+    uninitialized (no reset_parameters on their module)."""
+    if not entries:
+        return []
+    holders = {}
+    for name, m, attr, t in entries:
+        _become(t, torch.empty(t.shape, dtype=t.dtype, device=device))
+        holders.setdefault(id(m), (m, []))[1].append(name)
+    uninitialized = []
+    for m, names in holders.values():
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            uninitialized.extend(names)
+    warnings.warn(
+        "smp: the model was built on the meta device without smp.delay_param_"
+        "initialization, so its values come from each module's reset_parameters() and do "
+        "not equal an eager build" + (
+            f"; these have no reset_parameters() and are left uninitialized: "
+            f"{uninitialized}" if uninitialized else ""), stacklevel=3)
+    return uninitialized
+
+
+class CreatedInForward(RuntimeError):
+    """A module of a deferred model created a parameter or buffer in forward."""
+
+
+def check_nothing_created(module, before):
+    """After the meta trace: a deferred model must have created every parameter and
+    buffer in its constructor; one created in forward has no recorded init (and a
+    partition computed without it)."""
+    known = {id(t) for _, _, _, t in before}
+    new = [name for name, _, _, t in state_tensors(module) if id(t) not in known]
+    if new:
+        raise CreatedInForward(
+            f"smp.delay_param_initialization: the model created {new} in forward (during "
+            "the first step's trace); a deferred model must create every parameter and "
+            "buffer in its constructor, so that it can be partitioned and initialized "
+            "before the first step. Create them in __init__, or build the model eagerly")
+
+
+def check_optimizer(optimizer):
+    """An optimizer built on the meta parameters must not have made state from them
+    (Adagrad's `sum`, built in its constructor): that state would stay meta."""
+    if optimizer is None:
+        return
+    opt = getattr(optimizer, "optimizer", optimizer)
+    for state in getattr(opt, "state", {}).values():
+        for name, v in state.items():
+            if isinstance(v, torch.Tensor) and v.is_meta and v.numel() > 0:
+                raise RuntimeError(
+                    f"smp: optimizer {type(opt).__name__} made its state '{name}' from the "
+                    "model's parameters before smp.DistributedModel materialized them "
+                    "(smp.delay_param_initialization); create it after the first step, or "
+                    "build the model eagerly")

@@ -182,6 +182,13 @@ bool has_manifest(const std::string& path) {
   return std::memcmp(tail, kMagic, 8) == 0;
 }
 
+namespace {
+CheckpointError checksum_mismatch(const std::string& path, const Manifest& m) {
+  return CheckpointError(str_cat("smp: checkpoint '", path, "': checksum mismatch (file altered; ",
+                                 m.describe(), ")"));
+}
+}  // namespace
+
 VerifiedFile read_verified(const std::string& path) {
   Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (f.fd < 0) throw CheckpointError(sys_error("cannot open", path));
@@ -222,10 +229,29 @@ VerifiedFile read_verified(const std::string& path) {
   }
   skip_to(payload);
   if (h.digest() != out.manifest.payload_hash) {
-    throw CheckpointError(str_cat("smp: checkpoint '", path, "': checksum mismatch (file altered; ",
-                                  out.manifest.describe(), ")"));
+    throw checksum_mismatch(path, out.manifest);
   }
   return out;
+}
+
+Manifest verify(const std::string& path) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd < 0) throw CheckpointError(sys_error("cannot open", path));
+  uint64_t size = 0;
+  Manifest m = read_trailer(f.fd, path, &size);
+  Hasher h;
+  const uint64_t hashed = m.payload_size - 2;  // as read_verified: all but the comment length
+  std::vector<char> scratch(kChunk);
+  for (uint64_t pos = 0; pos < hashed;) {
+    const size_t k = static_cast<size_t>(std::min<uint64_t>(kChunk, hashed - pos));
+    pread_all(f.fd, scratch.data(), k, pos, path);
+    h.update(scratch.data(), k);
+    pos += k;
+  }
+  if (h.digest() != m.payload_hash) {
+    throw checksum_mismatch(path, m);
+  }
+  return m;
 }
 
 std::vector<std::string> choose_generation(const std::string& base,

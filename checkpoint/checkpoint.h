@@ -60,6 +60,11 @@ struct VerifiedFile {
 // file and the fault (truncated, checksum mismatch, damaged directory).
 VerifiedFile read_verified(const std::string& path);
 
+// Checks the whole payload of `path` against its manifest's hash without keeping any
+// of it (a streaming pass through one scratch buffer), so a caller can then map the
+// file and read only the records it needs. Throws as read_verified.
+Manifest verify(const std::string& path);
+
 // One candidate file of a partial save and what its trailer said.
 struct Candidate {
   std::string path;

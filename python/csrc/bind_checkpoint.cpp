@@ -68,6 +68,8 @@ void bind_checkpoint(py::module_& m) {
     for (auto& r : vf.records) records[py::str(r.name)] = r.bytes;
     return py::make_tuple(vf.manifest, records);
   }, py::arg("path"), "Reads and verifies a whole file: (manifest, {record name: uint8 tensor}).");
+  m.def("checkpoint_verify", &verify, release(), py::arg("path"),
+        "Checks a whole file against its manifest, keeping none of it; returns the manifest.");
   m.def("checkpoint_order_parts", &order_parts, release(), py::arg("paths"),
         "The files of one partial save in part order; CheckpointError if they are not.");
   m.def("checkpoint_read_parts", [](const std::vector<std::string>& paths) {

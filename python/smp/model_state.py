@@ -99,6 +99,41 @@ class ModelStateMixin:
         me = core.pp_rank()
         return [k for k in self._state_tensors if self._key_owner(k) == me]
 
+    def _require_values(self, what):
+        """A deferred model (smp/deferred_init.py) has no values before its first step."""
+        if getattr(self, "_deferred", False):
+            raise RuntimeError(
+                f"smp: {what} of a model built under smp.delay_param_initialization has no "
+                "values before the first step, which partitions it and initializes each "
+                "rank's part; call it after the first @smp.step call")
+
+    def _state_shape(self, key):
+        shapes = getattr(self, "_state_shapes", None)
+        if shapes is not None:
+            return shapes.get(key)
+        t = self.module.state_dict(keep_vars=True).get(key)
+        return None if t is None else tuple(t.shape)
+
+    def _check_shapes(self, sd, partial):
+        """Every tensor of `sd` has the shape of the model's tensor of that name; raised
+        the same on every pp rank (a full dict is the same on every rank; the entries
+        of a partial one differ, so the ranks agree)."""
+        bad = []
+        for k, v in sd.items():
+            want = self._state_shape(k)
+            if torch.is_tensor(v) and want is not None and tuple(v.shape) != want:
+                bad.append(f"'{k}': checkpoint {list(v.shape)}, model {list(want)}")
+        error = None
+        if bad:
+            error = RuntimeError(f"smp: load_state_dict: tensors whose shape differs from "
+                                 f"the model's: {', '.join(bad)}")
+        if partial and core.is_initialized() and core.pp_size() > 1:
+            from smp import agreement
+            agreement.agree(error, core.CommGroup.PP_GROUP,
+                            agreement.first_error("model.load_state_dict()"))
+        elif error is not None:
+            raise error
+
     def _rank_tag(self):
         if not core.is_initialized():
             return "rank 0"
@@ -112,6 +147,7 @@ class ModelStateMixin:
         Args:
             cast_to_cpu: return CPU tensors (the default, as SMP).
         """
+        self._require_values("local_state_dict()")
         if self._owner is None:
             sd = self.module.state_dict(*args, **kwargs)
             sd = collections.OrderedDict(
@@ -137,6 +173,7 @@ class ModelStateMixin:
                 ranks return an empty dict.
             cast_to_cpu: CPU tensors.
         """
+        self._require_values("state_dict()")
         if self._owner is None:
             sd = self.module.state_dict(*args, **kwargs)
             if cast_to_cpu:
@@ -175,10 +212,12 @@ class ModelStateMixin:
                              f"{type(state_dict).__name__} is not a dict")
         sd = dict(state_dict)
         partial = bool(sd.pop(PARTIAL_KEY, False))
-        if self._owner is None and core.pp_size() > 1:
+        if self._owner is None and (core.pp_size() > 1 or getattr(self, "_deferred", False)):
+            # (a deferred model, smp/deferred_init.py, has no tensors to load into yet)
             self._pending_state = (dict(sd, **{PARTIAL_KEY: partial}), strict,
                                    same_partition_load)
             return None
+        self._check_shapes(sd, partial and not same_partition_load)
         keys = self._all_state_keys()
         key_set = set(keys)
         owned = self._owned_keys()

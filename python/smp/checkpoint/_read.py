@@ -72,6 +72,15 @@ def read_full(path, map_location, pickle_module, weights_only, pickle_load_args)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"smp: checkpoint '{path}' has no smp trailer (truncated, or "
                                   f"not written by smp.save) and torch.load fails: {e}") from e
+    if _torch_load.maps(path, map_location, pickle_load_args):
+        # Checked whole, then mapped: each tensor's pages are read when touched (Note
+        # [Mapped loads] in _torch_load.py). The file is the zip torch.save writes.
+        _C.checkpoint_verify(path)
+        try:
+            return _torch_load.load_plain(path, map_location, pickle_module, weights_only,
+                                          pickle_load_args)
+        except _torch_load.WeightsOnlyRefused as e:
+            raise _refused(path, str(e)) from None
     _, records = _C.checkpoint_read_verified(path)
     return unpickle(records, map_location, pickle_module, pickle_load_args, weights_only, path)
 

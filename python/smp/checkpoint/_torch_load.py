@@ -14,6 +14,7 @@ import inspect
 import os
 import pickle
 import re
+import zipfile
 
 import torch
 import torch.serialization as _ser
@@ -90,12 +91,35 @@ def unpickle(zip_reader, map_location, pickle_module, weights_only, load_args):
         raise WeightsOnlyRefused(str(e)) from None
 
 
+# Note [Mapped loads]: a zip file read to CPU is mapped (torch.load's mmap, torch >=
+# 2.1) rather than read: its tensors' pages are read only when touched, so a rank that
+# copies the tensors of its own partition out of a full checkpoint never reads, or
+# holds, the others' (docs/memory.md). The mapping is private: writing to a loaded
+# tensor copies that page and leaves the file alone.
+_LOAD_TAKES_MMAP = "mmap" in inspect.signature(torch.load).parameters
+
+
+def _mapped(path, map_location, load_args):
+    if "mmap" in load_args or not _LOAD_TAKES_MMAP or not zipfile.is_zipfile(path):
+        return load_args
+    if map_location is not None and str(map_location) != "cpu":
+        return load_args
+    return dict(load_args, mmap=True)
+
+
+def maps(path, map_location, load_args):
+    """Whether load_plain maps `path` rather than reading it."""
+    return "mmap" in _mapped(path, map_location, load_args)
+
+
 def load_plain(path, map_location, pickle_module, weights_only, load_args):
-    """torch.load of a plain torch.save file with the resolved choice.
+    """torch.load of a plain torch.save file with the resolved choice, mapped where it
+    can be (Note [Mapped loads]).
 
     Raises:
         WeightsOnlyRefused: weights_only and the weights-only unpickler refused.
     """
+    load_args = _mapped(path, map_location, load_args)
     if not weights_only:
         return torch.load(path, map_location=map_location, pickle_module=pickle_module or pickle,
                           weights_only=False, **load_args)

@@ -118,7 +118,8 @@ def first_error(what):
     ConfigError (for a ValueError) or a RuntimeError, naming that rank and `what`."""
     def verdict(failures, size):
         r, kind, text = failures[0]
-        cls = core.ConfigError if kind in ("ConfigError", "ValueError") else RuntimeError
+        cls = core.ConfigError if kind in ("ConfigError", "ValueError") else \
+            MemoryError if kind == "MemoryError" else RuntimeError
         return cls(f"{text} (rank {r}, in {what}; raised on every rank)")
     return verdict
 

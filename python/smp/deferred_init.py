@@ -496,3 +496,81 @@ def check_optimizer(optimizer):
                     "model's parameters before smp.DistributedModel materialized them "
                     "(smp.delay_param_initialization); create it after the first step, or "
                     "build the model eagerly")
+
+
+# Note [Memory budget]
+# ~~~~~~~~~~~~~~~~~~~~
+# A deferred model's partition is allocated only once the plan is known, so smp can
+# say before allocating whether a rank's training state fits the memory it may use,
+# rather than fail later inside an optimizer step with an allocator's message. The
+# need: the kept tensors, a gradient per parameter, and the optimizer's state per
+# parameter (two tensors for Adam-like optimizers, one for SGD with momentum or
+# RMSprop, two when the optimizer is not known yet). The limit: RLIMIT_DATA or RLIMIT_AS
+# (what the process may still map). Every rank decides, and every rank raises the
+# first failing rank's message.
+_STATES_PER_PARAM = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2,
+                     "Adadelta": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1, "Rprop": 2}
+
+
+def _status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_limit():
+    """(bytes this process may still allocate, what limits it), or (None, None)."""
+    import resource
+    best = (None, None)
+    for name, field in (("RLIMIT_DATA", "VmData"), ("RLIMIT_AS", "VmSize")):
+        soft, _ = resource.getrlimit(getattr(resource, name))
+        if soft != resource.RLIM_INFINITY:
+            left = max(0, soft - _status_bytes(field))
+            if best[0] is None or left < best[0]:
+                best = (left, f"{name} {soft / 2**30:.2f} GiB")
+    return best
+
+
+def training_state_bytes(module, optimizer):
+    """(bytes, parameters) of the training state of `module`'s meta tensors with
+    elements (those this rank keeps): Note [Memory budget]."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    states = _STATES_PER_PARAM.get(type(opt).__name__, 2) if opt is not None else 2
+    if opt is not None and type(opt).__name__ == "SGD":
+        states = 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
+    need, params = 0, 0
+    for _, _, _, t in state_tensors(module):
+        if not t.is_meta or t.numel() == 0:
+            continue
+        nbytes = t.numel() * t.element_size()
+        if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+            need += nbytes * (2 + states)
+            params += t.numel()
+        else:
+            need += nbytes
+    return need, params, states, (type(opt).__name__ if opt is not None else None)
+
+
+def check_budget(module, optimizer, partitions):
+    """Raises on every rank if some rank's partition cannot fit (Note [Memory budget])."""
+    from smp import agreement, core
+    need, params, states, opt_name = training_state_bytes(module, optimizer)
+    limit, source = memory_limit()
+    error = None
+    if limit is not None and need > limit:
+        what = (f"{opt_name}'s {states} state tensor{'s' if states != 1 else ''}"
+                if opt_name else f"{states} optimizer state tensors (the optimizer is not "
+                "known yet; Adam's count)")
+        error = MemoryError(
+            f"smp: this rank's part of the model needs {need / 2**30:.2f} GiB for its "
+            f"training state ({params / 1e6:.1f}M parameters with their gradients and "
+            f"{what}) but the process may allocate {limit / 2**30:.2f} GiB more ({source}); "
+            f"with partitions={partitions} it cannot train. Use more partitions, or a "
+            "smaller model")
+    if core.is_initialized() and core.size() > 1:
+        agreement.agree(error, core.CommGroup.WORLD,
+                        agreement.first_error("sizing the model's partition"), own_first=True)
+    elif error is not None:
+        raise error

@@ -256,6 +256,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self._state_shapes = {k: tuple(v.shape)
                               for k, v in self.module.state_dict(keep_vars=True).items()}
         if self._deferred and core.pp_size() == 1:
+            deferred_init.check_budget(self.module, core.state.optimizer, 1)
             deferred_init.materialize(self.module)
         self._state_tensors = self.module.state_dict(keep_vars=True)
         if core.pp_size() > 1:

@@ -99,7 +99,8 @@ class PipelinePart:
                               lambda: plan.table(nodes), core.rank())
         self.engine = pipeline.Engine()
         self.tied = placement.apply(self.module_table, self.owner, self.engine, core.pp_rank())
-        if deferred:
+        if deferred:  # Note [Memory budget]: every rank says whether it fits, then allocates
+            deferred_init.check_budget(module, core.state.optimizer, core.pp_size())
             deferred_init.materialize(module)
         self.tied.sync_values()
         self.engine.order_gradients(module.parameters())

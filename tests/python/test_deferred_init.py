@@ -28,6 +28,10 @@ from nets import gpt_job, train_gpt  # tests/python/nets.py
 
 model, opt = gpt_job(smp, GPT, opts["cfg"], deferred=opts["deferred"])
 meta = all(p.is_meta for p in model.get_module().parameters())
+hooked = []  # what a post-partition hook sees: real tensors, its own partition's
+model.register_post_partition_hook(lambda m, o: hooked.append(
+    any(p.is_meta for p in m.get_module().parameters()) or
+    not all(p.numel() for p in m.local_parameters())))
 after_build = torch.rand(4).tolist()  # the generator is where an eager build leaves it
 
 @smp.step
@@ -43,7 +47,7 @@ for k in sorted(state):
 tied = model.get_module().head.weight is model.get_module().tok.weight
 losses, params = train_gpt(smp, model, opt, VOCAB, CTX)
 if smp.rank() == 0:
-    print("RESULT " + json.dumps(dict(meta=meta, after_build=after_build, tied=tied,
+    print("RESULT " + json.dumps(dict(meta=meta, after_build=after_build, tied=tied, hooked=hooked,
                                       step0=digest.hexdigest(), losses=losses, params=params)))
 smp.shutdown()
 """
@@ -66,6 +70,7 @@ def test_a_deferred_gpt_equals_the_eager_one(ranks, world, cfg):
     deferred = _gpt(ranks, world, cfg, deferred=True)
     assert deferred["meta"] and not eager["meta"]
     assert deferred["tied"] and eager["tied"]
+    assert deferred["hooked"] == eager["hooked"] == [False]
     assert deferred["after_build"] == eager["after_build"]
     assert deferred["step0"] == eager["step0"]  # after partitioning, before training
     assert deferred["losses"] == eager["losses"]
@@ -296,6 +301,8 @@ class MakesInForward(nn.Module):
 with smp.delay_param_initialization():
     if case == "forward":
         net = nn.Sequential(nn.Linear(4, 4), MakesInForward())
+    elif case == "budget":  # 2 x 16 MiB of weights per rank: 128 MiB with AdamW
+        net = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
     else:
         net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
 model = smp.DistributedModel(net)
@@ -311,13 +318,21 @@ try:
         model.load_state_dict({"0.weight": torch.zeros(4, 4), "0.bias": torch.zeros(4),
                                "1.weight": torch.zeros(4, 5), "1.bias": torch.zeros(4)})
         run(torch.ones(2, 4))
+    elif case == "budget":
+        import resource
+        with open("/proc/self/status") as f:
+            vm_data = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmData:"))
+        limit = vm_data + 96 * 2**20
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters()))
+        run(torch.ones(2, 2048))
     elif case == "adagrad":
         opt = smp.DistributedOptimizer(torch.optim.Adagrad(net.parameters()))
         run(torch.ones(2, 4))
     else:
         run(torch.ones(2, 4))
-except RuntimeError as e:
-    print("ERROR", e)
+except (RuntimeError, MemoryError) as e:
+    print("ERROR", type(e).__name__, e)
 smp.shutdown()
 """
 
@@ -328,6 +343,9 @@ smp.shutdown()
                    "has no values before the first step"),
     ("shape", "smp: load_state_dict: tensors whose shape differs from the model's: "
               "'1.weight': checkpoint [4, 5], model [4, 4]"),
+    ("budget", "MemoryError smp: this rank's part of the model needs 0.13 GiB for its "
+               "training state (8.4M parameters with their gradients and AdamW's 2 state "
+               "tensors) but the process may allocate"),
     ("adagrad", "smp: optimizer Adagrad made its state 'sum' from the model's parameters "
                 "before smp.DistributedModel materialized them"),
 ])

@@ -1,0 +1,194 @@
+"""Memory benchmark: a GPT whose one-process training state does not fit one rank's
+budget trains at pp=4 under that budget, and each rank's peak memory against its share.
+
+Model: GPT-style, vocabulary 32000, width 1024, 20 layers (tied head): ~284M
+parameters, ~4.5 GB of training state with AdamW (16 bytes per parameter) in one
+process. Built inside `smp.delay_param_initialization` (Note [Replayed init]); AdamW,
+3 steps of 4 microbatches of 1 sequence of 64 tokens, one thread per rank.
+
+Runs, each in fresh processes:
+- `empty`: the same script and smp job with a one-layer model: the baseline every
+  rank's memory is measured against (code, threads, torch's meta kernels).
+- `pp4`: pp=4 with each rank's data segment limited (RLIMIT_DATA) to the baseline plus
+  `--budget-gb` (default 2.5 GiB, below the 4.5 GB one process needs). Per rank:
+  `peak_mb` = peak resident set minus the baseline's; `state_mb` = S, the parameters,
+  gradients and AdamW state it holds; `activation_mb` = the bytes saved for backward
+  at their peak (saved-tensor hooks); `ratio` = peak / (S + activations), target <= 1.3.
+- `pp1`: the same script with partitions=1 under the same limit: it must fail at once
+  with smp's message naming the memory needed (Note [Memory budget]); `pp1_error` holds
+  its first line and `pp1_seconds` how long it took to fail.
+- `wrap_deferred_mb` / `wrap_eager_mb`: per rank, the peak resident set of building,
+  wrapping and partitioning (the first step's forward, no optimizer) with and without
+  deferred init, minus the baseline.
+
+Not measured yet: pp=2 x dp=2 with optimizer-state sharding (not built). One JSON line.
+
+    PYTHONPATH=build/python .venv/bin/python bench/memory.py [--budget-gb 2.5]
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from pipeline import BUILD, ActivationTracker, _python_env  # noqa: E402
+
+VOCAB, D, LAYERS, HEADS, CTX, MB = 32000, 1024, 20, 16, 64, 4
+
+
+def _status_mb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def build(layers):
+    import torch
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+            self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, D // HEADS).unbind(2)
+            a = nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            x = x + self.out(a.transpose(1, 2).reshape(b, t, D))
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(VOCAB, D), nn.Embedding(CTX, D)
+            self.blocks = nn.Sequential(*[Block() for _ in range(layers)])
+            self.ln_f = nn.LayerNorm(D)
+            self.head = nn.Linear(D, VOCAB, bias=False)
+            self.head.weight = self.tok.weight
+            for emb in (self.tok, self.pos):  # GPT-2's scale (a sane first loss)
+                nn.init.normal_(emb.weight, std=0.02)
+
+        def forward(self, idx):
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            return self.head(self.ln_f(self.blocks(x)))
+    return GPT()
+
+
+def rank_main(opts):
+    import torch
+    import torch.nn as nn
+    import smp
+    from smp import pipeline
+    torch.set_num_threads(1)
+    if opts.get("data_limit"):
+        limit = int(_status_mb("VmData") * 2**20) + opts["data_limit"]
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    smp.init({"partitions": opts["partitions"], "microbatches": MB})
+    with torch.device("meta"):  # torch's meta kernels (Python code): in every run
+        nn.Linear(4, 4)(torch.ones(1, 4))
+    start = _status_mb("VmRSS")
+    t0 = time.time()
+    torch.manual_seed(0)
+    with smp.delay_param_initialization(enabled=opts["deferred"]):
+        net = build(opts["layers"])
+    model = smp.DistributedModel(net)
+    opt = None
+    if opts["train"]:
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-4))
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, VOCAB, (MB, CTX + 1), generator=g)
+
+    @smp.step
+    def train(x, y):
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        if opts["train"]:
+            model.backward(loss)
+        return loss
+
+    tracker = None
+    try:
+        for step in range(3 if opts["train"] else 1):
+            if step == 1:
+                tracker = ActivationTracker(list(model.local_parameters()))
+                pipeline.Engine.task_context = tracker.context
+            loss = train(data[:, :-1], data[:, 1:]).reduce_mean()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+    except MemoryError as e:
+        if smp.rank() == 0:
+            print("RESULT " + json.dumps({"error": str(e).splitlines()[0],
+                                          "seconds": round(time.time() - t0, 1)}))
+        smp.shutdown()
+        return
+    peak = _status_mb("VmHWM") - start
+    held = sum(p.numel() for p in model.local_parameters())  # this rank's, tied once
+    state = held * (4 + 4 + 8) / 2**20 if opts["train"] else held * 4 / 2**20
+    act = tracker.peak / 2**20 if tracker is not None else 0.0
+    rows = smp.allgather(dict(peak_mb=round(peak, 1), state_mb=round(state, 1),
+                              activation_mb=round(act, 1), params=held))
+    if smp.rank() == 0:
+        print("RESULT " + json.dumps({"ranks": rows, "loss": loss.item(),
+                                      "seconds": round(time.time() - t0, 1)}))
+    smp.shutdown()
+
+
+def launch(**opts):
+    cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", str(opts["world"]),
+           __file__, "--role", "rank", "--opts", json.dumps(opts)]
+    out = subprocess.run(cmd, env=_python_env(), capture_output=True, text=True, timeout=1800)
+    line = [ln for ln in out.stdout.splitlines() if "RESULT " in ln]
+    if not line:
+        sys.exit(f"run {opts} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(line[0].split("RESULT ", 1)[1])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", default="main")
+    p.add_argument("--opts", default="{}")
+    p.add_argument("--budget-gb", type=float, default=2.5)
+    args = p.parse_args()
+    if args.role == "rank":
+        return rank_main(json.loads(args.opts))
+    budget = int(args.budget_gb * 2**30)
+    base = dict(world=4, partitions=4, deferred=True, train=True, layers=LAYERS)
+    empty = launch(**dict(base, layers=1))["ranks"]
+    # The baseline: the same job with one layer (the embeddings and head stay: they are
+    # the model's floor), minus what that layer's state accounts for.
+    floor = [r["peak_mb"] - r["state_mb"] - r["activation_mb"] for r in empty]
+    pp4 = launch(**dict(base, data_limit=budget))
+    pp1 = launch(**dict(base, world=1, partitions=1, data_limit=budget))
+    wrap_d = launch(**dict(base, train=False))["ranks"]
+    wrap_e = launch(**dict(base, train=False, deferred=False))["ranks"]
+    one_process_gb = sum(r["params"] for r in pp4["ranks"]) * 16 / 1e9
+    rows = []
+    for r, f in zip(pp4["ranks"], floor):
+        peak = r["peak_mb"] - f
+        rows.append(dict(peak_mb=round(peak, 1), state_mb=r["state_mb"],
+                         activation_mb=r["activation_mb"],
+                         ratio=round(peak / (r["state_mb"] + r["activation_mb"]), 3)))
+    import torch
+    out = {"bench": "memory", "model_params_m": round(sum(r["params"] for r in pp4["ranks"]) / 1e6, 1),
+           "one_process_state_gb": round(one_process_gb, 2), "budget_gb": args.budget_gb,
+           "pp4_ranks": rows, "ratio_max": max(r["ratio"] for r in rows),
+           "pp4_seconds": pp4["seconds"], "pp4_loss": pp4.get("loss"),
+           "pp1_error": pp1.get("error"), "pp1_seconds": pp1.get("seconds"),
+           "wrap_deferred_mb": [round(r["peak_mb"] - f, 1) for r, f in zip(wrap_d, floor)],
+           "wrap_eager_mb": [round(r["peak_mb"] - f, 1) for r, f in zip(wrap_e, floor)],
+           "sharded_pp2xdp2": None, "torch": torch.__version__}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

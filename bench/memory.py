@@ -7,13 +7,15 @@ process. Built inside `smp.delay_param_initialization` (Note [Replayed init]); A
 3 steps of 4 microbatches of 1 sequence of 64 tokens, one thread per rank.
 
 Runs, each in fresh processes:
-- `empty`: the same script and smp job with a one-layer model: the baseline every
-  rank's memory is measured against (code, threads, torch's meta kernels).
+- `tiny`: the same job with a width-64 model: `floor_mb`, the baseline (code, threads,
+  buffers) subtracted from every figure below.
 - `pp4`: pp=4 with each rank's data segment limited (RLIMIT_DATA) to the baseline plus
-  `--budget-gb` (default 2.5 GiB, below the 4.5 GB one process needs). Per rank:
+  `--budget-gb` (default 3 GiB, below the 4.6 GB one process needs). Per rank:
   `peak_mb` = peak resident set minus the baseline's; `state_mb` = S, the parameters,
   gradients and AdamW state it holds; `activation_mb` = the bytes saved for backward
   at their peak (saved-tensor hooks); `ratio` = peak / (S + activations), target <= 1.3.
+  `ratio_max_foreach_off`: the same with AdamW(foreach=False): torch's default
+  (foreach) AdamW step allocates temporaries the size of the rank's parameters.
 - `pp1`: the same script with partitions=1 under the same limit: it must fail at once
   with smp's message naming the memory needed (Note [Memory budget]); `pp1_error` holds
   its first line and `pp1_seconds` how long it took to fail.
@@ -48,32 +50,32 @@ def _status_mb(field):
     return 0.0
 
 
-def build(layers):
+def build(layers, vocab=VOCAB, d=D):
     import torch
     import torch.nn as nn
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-            self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
-            self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
         def forward(self, x):
             b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, D // HEADS).unbind(2)
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, d // HEADS).unbind(2)
             a = nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            x = x + self.out(a.transpose(1, 2).reshape(b, t, D))
+            x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
             return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
 
     class GPT(nn.Module):
         def __init__(self):
             super().__init__()
-            self.tok, self.pos = nn.Embedding(VOCAB, D), nn.Embedding(CTX, D)
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(CTX, d)
             self.blocks = nn.Sequential(*[Block() for _ in range(layers)])
-            self.ln_f = nn.LayerNorm(D)
-            self.head = nn.Linear(D, VOCAB, bias=False)
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, vocab, bias=False)
             self.head.weight = self.tok.weight
             for emb in (self.tok, self.pos):  # GPT-2's scale (a sane first loss)
                 nn.init.normal_(emb.weight, std=0.02)
@@ -99,14 +101,17 @@ def rank_main(opts):
     start = _status_mb("VmRSS")
     t0 = time.time()
     torch.manual_seed(0)
+    vocab, d = (64, 64) if opts.get("tiny") else (VOCAB, D)
     with smp.delay_param_initialization(enabled=opts["deferred"]):
-        net = build(opts["layers"])
+        net = build(opts["layers"], vocab, d)
+    total = sum(p.numel() for p in net.parameters())  # unique (the tied weight once)
     model = smp.DistributedModel(net)
     opt = None
     if opts["train"]:
-        opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-4))
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-4,
+                                                         foreach=opts.get("foreach")))
     g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, VOCAB, (MB, CTX + 1), generator=g)
+    data = torch.randint(0, vocab, (MB, CTX + 1), generator=g)
 
     @smp.step
     def train(x, y):
@@ -138,7 +143,7 @@ def rank_main(opts):
     rows = smp.allgather(dict(peak_mb=round(peak, 1), state_mb=round(state, 1),
                               activation_mb=round(act, 1), params=held))
     if smp.rank() == 0:
-        print("RESULT " + json.dumps({"ranks": rows, "loss": loss.item(),
+        print("RESULT " + json.dumps({"ranks": rows, "loss": loss.item(), "total": total,
                                       "seconds": round(time.time() - t0, 1)}))
     smp.shutdown()
 
@@ -157,31 +162,36 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", default="main")
     p.add_argument("--opts", default="{}")
-    p.add_argument("--budget-gb", type=float, default=2.5)
+    p.add_argument("--budget-gb", type=float, default=3.0)
     args = p.parse_args()
     if args.role == "rank":
         return rank_main(json.loads(args.opts))
     budget = int(args.budget_gb * 2**30)
     base = dict(world=4, partitions=4, deferred=True, train=True, layers=LAYERS)
-    empty = launch(**dict(base, layers=1))["ranks"]
-    # The baseline: the same job with one layer (the embeddings and head stay: they are
-    # the model's floor), minus what that layer's state accounts for.
-    floor = [r["peak_mb"] - r["state_mb"] - r["activation_mb"] for r in empty]
+    # The baseline: the same job with a tiny model (width 64, vocabulary 64): code,
+    # threads, buffers; what every rank holds whatever the model.
+    floor = [r["peak_mb"] for r in launch(**dict(base, tiny=True))["ranks"]]
     pp4 = launch(**dict(base, data_limit=budget))
+    pp4_loop = launch(**dict(base, data_limit=budget, foreach=False))
     pp1 = launch(**dict(base, world=1, partitions=1, data_limit=budget))
     wrap_d = launch(**dict(base, train=False))["ranks"]
     wrap_e = launch(**dict(base, train=False, deferred=False))["ranks"]
-    one_process_gb = sum(r["params"] for r in pp4["ranks"]) * 16 / 1e9
-    rows = []
-    for r, f in zip(pp4["ranks"], floor):
-        peak = r["peak_mb"] - f
-        rows.append(dict(peak_mb=round(peak, 1), state_mb=r["state_mb"],
-                         activation_mb=r["activation_mb"],
-                         ratio=round(peak / (r["state_mb"] + r["activation_mb"]), 3)))
+    one_process_gb = pp4["total"] * 16 / 1e9
+
+    def rows_of(run):
+        rows = []
+        for r, f in zip(run["ranks"], floor):
+            peak = r["peak_mb"] - f
+            rows.append(dict(peak_mb=round(peak, 1), state_mb=r["state_mb"],
+                             activation_mb=r["activation_mb"],
+                             ratio=round(peak / (r["state_mb"] + r["activation_mb"]), 3)))
+        return rows
+    rows, loop_rows = rows_of(pp4), rows_of(pp4_loop)
     import torch
-    out = {"bench": "memory", "model_params_m": round(sum(r["params"] for r in pp4["ranks"]) / 1e6, 1),
+    out = {"bench": "memory", "model_params_m": round(pp4["total"] / 1e6, 1),
            "one_process_state_gb": round(one_process_gb, 2), "budget_gb": args.budget_gb,
-           "pp4_ranks": rows, "ratio_max": max(r["ratio"] for r in rows),
+           "floor_mb": floor, "pp4_ranks": rows, "ratio_max": max(r["ratio"] for r in rows),
+           "ratio_max_foreach_off": max(r["ratio"] for r in loop_rows),
            "pp4_seconds": pp4["seconds"], "pp4_loss": pp4.get("loss"),
            "pp1_error": pp1.get("error"), "pp1_seconds": pp1.get("seconds"),
            "wrap_deferred_mb": [round(r["peak_mb"] - f, 1) for r, f in zip(wrap_d, floor)],

@@ -168,6 +168,11 @@ struct Dispatcher::Impl {
   int64_t microbatches = 1;
   std::atomic<int64_t> next_mb{0};  // driver: the next microbatch to start
   std::set<int64_t> forwards_done;  // "simple"
+  // Note [Forward order]: driver, dynamic order: forward actions started and forwards
+  // over, per microbatch.
+  bool forward_order = false;
+  std::vector<int64_t> fwd_started;
+  std::vector<char> fwd_over;
   bool rng_streams = false, rng_cuda = false;  // Note [Microbatch random streams]
   uint64_t step_seed = 0;
   // Note [Gradient order].
@@ -852,6 +857,59 @@ struct Dispatcher::Impl {
     return plan_on;
   }
 
+  // Note [Forward order]
+  // ~~~~~~~~~~~~~~~~~~~~
+  // A module whose forward changes its own state (BatchNorm's running statistics, a
+  // counter) gives a result that depends on the order its microbatches reach it. A
+  // plan fixes that order; the dynamic order would leave it to timing, since a task
+  // takes the token when its answer arrives. So in a deterministic step the driver,
+  // outside a plan, starts microbatch k's j-th forward action (a stretch of its step
+  // body between two remote calls) only once microbatch k-1 has started its j-th, or
+  // its forward is over (its backward began, or its task ended). The token is held
+  // by one action at a time, so every module, local or remote, runs its microbatches'
+  // forwards in microbatch order: a remote one gets their requests over one ordered
+  // connection, in that order. Microbatch k-1 never waits for k, so this cannot
+  // deadlock; the cost is a wait when an answer for k arrives before k-1's.
+  bool forward_ordered() {
+    return forward_order && p2p->rank() == 0 && !plan_on;  // (mu held)
+  }
+
+  // Driver, task thread, token held: `mb` starts a forward action (its first at its
+  // task's start); waits, token given up, until it may.
+  void start_forward_action(int64_t mb, int64_t priority) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!forward_ordered() || mb < 0 || mb >= static_cast<int64_t>(fwd_started.size())) return;
+    const int64_t j = fwd_started[mb];
+    auto may = [&] {
+      return mb == 0 || fwd_over[mb - 1] || fwd_started[mb - 1] > j || over;
+    };
+    if (!may()) {
+      stats.forward_order_waits++;
+      lock.unlock();
+      p2p->release_token();
+      lock.lock();
+      const bool ok = cv.wait_for(lock, timeout, may);
+      lock.unlock();
+      p2p->acquire_token(priority);
+      lock.lock();
+      if (!ok)
+        throw TimeoutError(str_cat("smp: timed out after ", timeout.count() / 1000.0,
+                                   " s waiting for microbatch ", mb - 1, " to start its forward "
+                                   "action ", j, " before microbatch ", mb,
+                                   " (Note [Forward order], pp rank 0)"));
+    }
+    fwd_started[mb]++;
+    cv.notify_all();
+  }
+
+  // Driver: microbatch `mb`'s forward is over (Note [Forward order]).
+  void forward_over(int64_t mb) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (mb < 0 || mb >= static_cast<int64_t>(fwd_over.size()) || fwd_over[mb]) return;
+    fwd_over[mb] = 1;
+    cv.notify_all();
+  }
+
   // The token priority of a task starting its next action of (mb, phase) here.
   int64_t admit(int64_t mb, Phase phase) { return admit(mb, static_cast<int32_t>(phase)); }
   int64_t admit(int64_t mb, int32_t action_phase) {
@@ -935,6 +993,7 @@ struct Dispatcher::Impl {
   // than planned ends its forward here: the ranks waiting for the rest must hear it
   // now, before this task waits for anything (Note [Executed plan]).
   void backward_begins(int64_t mb) {
+    forward_over(mb);  // Note [Forward order]
     bool off = false;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -1033,6 +1092,9 @@ void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_c
   impl_->microbatches = microbatches;
   impl_->next_mb = 0;
   impl_->forwards_done.clear();
+  impl_->forward_order = deterministic;
+  impl_->fwd_started.assign(static_cast<size_t>(std::max<int64_t>(microbatches, 0)), 0);
+  impl_->fwd_over.assign(static_cast<size_t>(std::max<int64_t>(microbatches, 0)), 0);
   impl_->free = true;
   impl_->over = false;
   impl_->idle = 0;
@@ -1109,6 +1171,7 @@ void Dispatcher::drive(MicrobatchFn run) {
         int64_t mb;
         ~Done() {
           I.p2p->release_token();
+          I.forward_over(mb);     // Note [Forward order]
           I.microbatch_over(mb);  // Note [Executed plan]
           if (I.ordering) I.announce_done(mb, true);  // Note [Gradient order]
           std::lock_guard<std::mutex> lock(I.mu);  // a failed or eval microbatch must not block
@@ -1116,6 +1179,7 @@ void Dispatcher::drive(MicrobatchFn run) {
           I.cv.notify_all();
         }
       } done{I, mb};
+      if (!claim_first) I.start_forward_action(mb, I.schedule.priority(mb, Phase::kForward));
       I.crossed();
       run(mb);
     }
@@ -1297,6 +1361,10 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
       throw CommError(str_cat("smp: pipeline protocol error: got a message of kind ", msg.kind,
                               " for call ", msg.call_id, " while waiting for call ", call_id,
                               " (", what, ")"));
+    if (backward)
+      I.forward_over(mb);  // Note [Forward order]
+    else if (!for_holder && msg.kind != kError)
+      I.start_forward_action(mb, priority);
     return msg;
   }
 }

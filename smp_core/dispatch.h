@@ -195,6 +195,8 @@ class Dispatcher {
     // steps whose backward work on this rank differed from the step before (the
     // first such step waits for the driver's word on each microbatch instead).
     int64_t ordered_waits = 0;
+    // Note [Forward order]: forward actions that waited for the previous microbatch's.
+    int64_t forward_order_waits = 0;
     int64_t unplanned_steps = 0;
     // Python<->C++ crossings through this Dispatcher: each entry from Python (call,
     // begin_step, drive, serve_step, forward_finished, wait_all_forwards) and each

@@ -254,6 +254,7 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("handler_s", &Dispatcher::Stats::handler_s)
       .def_readonly("send_s", &Dispatcher::Stats::send_s)
       .def_readonly("ordered_waits", &Dispatcher::Stats::ordered_waits)
+      .def_readonly("forward_order_waits", &Dispatcher::Stats::forward_order_waits)
       .def_readonly("unplanned_steps", &Dispatcher::Stats::unplanned_steps)
       .def_readonly("crossings", &Dispatcher::Stats::crossings)
       .def_readonly("microbatches", &Dispatcher::Stats::microbatches)

@@ -179,13 +179,17 @@ class Recording:
         key = _key(tensor)
         device = self.storages[key].device
         generator = kwargs.get("generator")
+        # The state first: a small allocation made after the tensor's would sit above
+        # it in the heap and keep its pages once it is freed (Note [Recording's heap]).
+        state = _generator_state(generator, device)
         self.paused = True
         try:
             real = self.replay({key})[key]
-            state = _generator_state(generator, device)
             fn(_view(real, _Ref(tensor), device), *args, **kwargs)
         finally:
             self.paused = False
+        del real
+        release_free_heap()
         ref = (lambda x: _Ref(x) if isinstance(x, torch.Tensor) and self.covers(x) else x)
         self.ops.append(_Op(fn, (_Ref(tensor),) + _tree_map(ref, tuple(args)),
                             _tree_map(ref, kwargs), {key}, {key}, [], (generator, device, state)))
@@ -207,6 +211,8 @@ class Recording:
                 return _view(scratch[k], _Ref(x), device)
             return x
         func(*_tree_map(real, args), **_tree_map(real, kwargs))
+        scratch.clear()
+        release_free_heap()
         return generator, device, state
 
     # --- replay ------------------------------------------------------------------------
@@ -254,6 +260,31 @@ class Recording:
             for generator, device, state in before.values():
                 _set_generator_state(generator, device, state)
         return {k: real[k] for k in keys if k in real}
+
+
+# Note [Recording's heap]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Recording runs each random init on a tensor that is freed at once. glibc's malloc
+# serves blocks up to 32 MiB from its heap once a larger one was freed (its mmap
+# threshold follows the blocks freed), and keeps freed heap pages when anything
+# allocated later sits above them: a 284M-parameter GPT's recording left 630 MB
+# resident that nothing used (all of it given back by malloc_trim). So every
+# transient tensor's release is followed by malloc_trim(0), which returns the free
+# pages anywhere in the heap; the resident set stays at what is live plus one tensor.
+_TRIM = []
+
+
+def release_free_heap():
+    """Returns glibc's free heap pages to the system (a no-op elsewhere)."""
+    if not _TRIM:
+        import ctypes
+        import ctypes.util
+        try:
+            _TRIM.append(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim)
+        except (OSError, AttributeError):
+            _TRIM.append(None)
+    if _TRIM[0] is not None:
+        _TRIM[0](0)
 
 
 def _view(storage, ref, device):
@@ -426,6 +457,7 @@ def materialize(module, device=None):
                 r = _recording_of(t)
                 dev = r.device_of(t) if r is not None else (device or torch.device("cpu"))
                 _become(t, torch.empty(0, dtype=t.dtype, device=dev))
+    release_free_heap()  # the replay's scratch (Note [Recording's heap])
     return no_reset
 
 

@@ -42,7 +42,7 @@ struct NeutralKey {
 const std::vector<NeutralKey>& neutral_keys() {
   static const std::vector<NeutralKey> keys = {
       {"tensor_parallel_degree", 1}, {"sharded_data_parallel_degree", 1},
-      {"shard_optimizer_state", false}, {"horovod", false},
+      {"horovod", false},
       {"fp16_params", false}, {"fp16", false}, {"bf16", false},
       {"offload_activations", false}, {"prescaled_batch", false},
       {"delayed_parameter_initialization", false}};
@@ -149,7 +149,7 @@ std::vector<std::string> config_keys() {
       "ddp",            "placement_strategy",       "optimize",     "auto_partition",
       "default_partition", "memory_weight",         "active_microbatches", "contiguous",
       "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing",
-      "p2p_transport"};
+      "p2p_transport",  "shard_optimizer_state"};
   for (const auto& k : neutral_keys()) keys.push_back(k.name);
   for (const auto& k : ignored_keys()) keys.push_back(k.first);
   std::sort(keys.begin(), keys.end());
@@ -216,6 +216,7 @@ Config Config::from_json(const std::string& text, int rank) {
   if (!p.has("backend")) c.backend = p.get_choice("ddp_dist_backend", "auto", backends);
   c.timeout_s = p.get_double("timeout_s", 300.0, 0.0, 1e7, /*lo_open=*/true);
   c.skip_tracing = p.get_bool("skip_tracing", false);
+  c.shard_optimizer_state = p.get_bool("shard_optimizer_state", false);
   c.checkpoint_dir = p.get_string("checkpoint_dir", "");
   c.p2p_transport = p.get_choice("p2p_transport", "auto", {"auto", "tcp", "c10d"});
   for (const auto& k : neutral_keys()) {
@@ -251,6 +252,7 @@ std::string Config::to_json() const {
             {"backend", backend},
             {"timeout_s", timeout_s},
             {"skip_tracing", skip_tracing},
+            {"shard_optimizer_state", shard_optimizer_state},
             {"checkpoint_dir", checkpoint_dir},
             {"p2p_transport", p2p_transport},
             {"pipeline_parallel_degree", partitions},

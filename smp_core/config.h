@@ -49,6 +49,9 @@ struct Config {
   std::string p2p_transport = "auto";
   // Skip the tracing pass (SMP v1.6+); the partitioner then uses parameter sizes only.
   bool skip_tracing = false;
+  // Each dp rank keeps the optimizer state of its share of the parameters (SMP v1.6+;
+  // Note [Sharded optimizer state] in python/smp/optimizer_sharding.py).
+  bool shard_optimizer_state = false;
   // Where smp.save_checkpoint writes, and where a (re)started job resumes from by itself
   // (Note [Automatic resume] in python/smp/auto_resume.py); "" = none. smprun's
   // --checkpoint_dir sets it too (SMP_CHECKPOINT_DIR); this key wins.

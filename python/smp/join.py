@@ -134,6 +134,14 @@ class Join:
                     raise ValueError(f"smp.join.Join: {type(j).__name__} object has no "
                                      f"'{attr}' (a Joinable calls Joinable.__init__ and "
                                      "implements join_hook, join_device, join_process_group)")
+        if enable:
+            from smp import optimizer_sharding
+            if optimizer_sharding.enabled():
+                # A joined rank would miss the broadcasts of its shard's parameters.
+                raise core.ConfigError(
+                    "smp.join.Join: config 'shard_optimizer_state'=true is not supported "
+                    "with uneven inputs (Join) yet; set it to false, or give every rank "
+                    "the same number of batches")
         self._joinables = joinables
         self._join_hooks = [j.join_hook(**kwargs) for j in joinables]
         self._enable = bool(enable)

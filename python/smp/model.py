@@ -17,6 +17,7 @@ import torch
 
 from smp import core
 from smp import activation_checkpointing, agreement, deferred_init, grad_guard
+from smp import optimizer_sharding
 from smp import join as _join
 from smp.model_pipeline import PipelinePart
 from smp.model_state import ModelStateMixin
@@ -274,6 +275,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self.partitioned = True
         activation_checkpointing.after_partition(self)
         self._apply_pending_state()  # deferred model/optimizer loads (model_state.py)
+        optimizer_sharding.install(self, core.state.optimizer)
         for hook in list(self._post_partition_hooks.values()):
             hook(self, core.state.optimizer)
 

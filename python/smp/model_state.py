@@ -18,8 +18,9 @@ __all__ = []
 PARTIAL_KEY = "_smp_is_partial"
 
 
-def exchange(have, needed):
-    """Gives every pp rank the entries it needs that other ranks hold.
+def exchange(have, needed, group=None):
+    """Gives every rank of `group` (the pp group by default) the entries it needs that
+    other ranks hold.
 
     Args:
         have: this rank's entries {name: value}.
@@ -27,13 +28,14 @@ def exchange(have, needed):
 
     Returns:
         {name: value} for the names in `needed` that this rank lacks and another rank
-        holds (the lowest such pp rank provides it), and the union of every rank's names.
-        Collective over the pp group; moves only the entries some rank lacks.
+        holds (the lowest such rank of the group provides it), and the union of every
+        rank's names. Collective over `group`; moves only the entries some rank lacks.
     """
-    if not core.is_initialized() or core.pp_size() == 1:
+    group = core.CommGroup.PP_GROUP if group is None else group
+    if not core.is_initialized() or len(core.members(group)) == 1:
         return {}, set(have)
-    me = core.pp_rank()
-    infos = core.allgather((sorted(have), sorted(needed)), core.CommGroup.PP_GROUP)
+    me = core.members(group).index(core.rank())
+    infos = core.allgather((sorted(have), sorted(needed)), group)
     holders = collections.defaultdict(list)
     for r, (keys, _) in enumerate(infos):
         for k in keys:
@@ -44,7 +46,7 @@ def exchange(have, needed):
         for k in wants:
             if k not in own and holders.get(k) and holders[k][0] == me:
                 provide.add(k)
-    sent = core.allgather({k: have[k] for k in sorted(provide)}, core.CommGroup.PP_GROUP)
+    sent = core.allgather({k: have[k] for k in sorted(provide)}, group)
     got = {}
     mine = set(have)
     for r, part in enumerate(sent):

@@ -17,15 +17,24 @@ import types
 import torch
 
 from smp import auto_resume, core
-from smp import model_state
+from smp import model_state, optimizer_sharding
 
 __all__ = []
 
 _BY_NAME = "_smp_by_name"
 
 
-def _param_names(opt):
-    """Name of each of the optimizer's parameters, in torch's state_dict order."""
+def _groups(opt, full):
+    """The optimizer's parameter lists: its own, or with `full` those it had before
+    sharding kept this rank's (Note [Sharded optimizer state])."""
+    if full and getattr(opt, "_smp_full_groups", None) is not None:
+        return opt._smp_full_groups
+    return [g["params"] for g in opt.param_groups]
+
+
+def _param_names(opt, full=False):
+    """Name of each of the optimizer's parameters, in torch's state_dict order (with
+    `full`, a sharded optimizer's every parameter)."""
     model = core.state.model
     names = {}
     if model is not None:
@@ -34,8 +43,8 @@ def _param_names(opt):
             if isinstance(p, torch.nn.Parameter):
                 names.setdefault(id(p), name)
     out = []
-    for g in opt.param_groups:
-        for p in g["params"]:
+    for params in _groups(opt, full):
+        for p in params:
             out.append(names.get(id(p), f"_smp_param_{len(out)}"))
     return out
 
@@ -47,38 +56,70 @@ def _local_ids():
     return {id(p) for p in model.local_parameters()}
 
 
-def _to_names(self, sd):
+def _to_names(self, sd, full=False):
     """torch's positional dict -> {"state": {name: s}, "param_groups": [... names]}."""
-    names = _param_names(self)
+    names = _param_names(self, full)
     state = {names[i]: s for i, s in sd["state"].items()}
     groups = [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 
 def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
+    """This pp rank's optimizer state by parameter name. A sharded optimizer (Note
+    [Sharded optimizer state]) holds a share of it: with `gather_if_shard` (SMP v1's
+    default) the dp group's shares are gathered (collective over the dp group), so
+    the dp rank that writes a partial checkpoint writes all of it; without, this rank's
+    share only."""
     sd = _to_names(self, self._smp_orig_state_dict())
     local = _local_ids()
+    keep_all = None
     if local is not None:
         params = [p for g in self.param_groups for p in g["params"]]
         names = _param_names(self)
         keep = {n for n, p in zip(names, params) if id(p) in local}
+        keep_all = {n for n, p in zip(_param_names(self, full=True),
+                                      [p for ps in _groups(self, full=True) for p in ps])
+                    if id(p) in local}
         sd["state"] = {n: s for n, s in sd["state"].items() if n in keep}
         sd["param_groups"] = [dict(g, params=[n for n in g["params"] if n in keep])
                               for g in sd["param_groups"]]
     if cast_to_cpu:
         sd["state"] = {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                        for n, s in sd["state"].items()}
+    if gather_if_shard and getattr(self, "_smp_shard", None) is not None:
+        shares = core.allgather(sd, core.CommGroup.DP_GROUP)
+        sd["state"] = {n: st for share in shares for n, st in share["state"].items()}
+        full = _param_names(self, full=True)
+        sd["param_groups"] = [dict(g, params=[full[i] for i in g["params"]])
+                              for g in _full_groups_by_position(self)]
+        if local is not None:
+            sd["param_groups"] = [dict(g, params=[n for n in g["params"] if n in keep_all])
+                                  for g in sd["param_groups"]]
     sd[model_state.PARTIAL_KEY] = core.pp_size() > 1
     sd[_BY_NAME] = True
     return sd
 
 
+def _full_groups_by_position(self):
+    """torch's param_groups entries over every parameter the optimizer had before
+    sharding (positions in that order)."""
+    groups, i = [], 0
+    for saved, params in zip(self._smp_orig_state_dict()["param_groups"],
+                             _groups(self, full=True)):
+        groups.append(dict(saved, params=list(range(i, i + len(params)))))
+        i += len(params)
+    return groups
+
+
 @core.api_call("optimizer.state_dict()")  # Note [Naming the call] in smp/core.py
 def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
-    if _local_ids() is None:
+    sharded = getattr(self, "_smp_shard", None) is not None
+    if _local_ids() is None and not sharded:
         return self._smp_orig_state_dict()
-    local = _local_state_dict(self, cast_to_cpu=cast_to_cpu)
-    if gather_to_rank0:
+    local = _local_state_dict(self, gather_if_shard=False, cast_to_cpu=cast_to_cpu)
+    if sharded:  # every dp rank holds a share (Note [Sharded optimizer state])
+        parts = core.allgather(local, core.CommGroup.WORLD)
+    elif gather_to_rank0:
         parts = model_state.gather_to_pp0(local)
         if parts is None:
             return {}
@@ -87,11 +128,10 @@ def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
     state = {}
     for part in parts:
         state.update(part["state"])
-    names = _param_names(self)
+    names = _param_names(self, full=True)
     index = {n: i for i, n in enumerate(names)}
-    groups = self._smp_orig_state_dict()["param_groups"]
     return {"state": {index[n]: s for n, s in state.items() if n in index},
-            "param_groups": groups}
+            "param_groups": _full_groups_by_position(self)}
 
 
 @core.api_call("optimizer.load_state_dict()")
@@ -105,15 +145,16 @@ def _load_state_dict(self, state_dict):
         return None
     sd = dict(state_dict)
     partial = bool(sd.pop(model_state.PARTIAL_KEY, False))
-    if not sd.pop(_BY_NAME, False):
-        sd = _to_names(self, sd)
+    if not sd.pop(_BY_NAME, False):  # torch's positions: over every parameter
+        sd = _to_names(self, sd, full=True)
     names = _param_names(self)
     params = [p for g in self.param_groups for p in g["params"]]
     local = _local_ids()
     needed = [n for n, p in zip(names, params) if local is None or id(p) in local]
     state = dict(sd["state"])
-    if partial:
-        got, _ = model_state.exchange(state, needed)
+    if partial:  # a sharded optimizer's entries may be on any rank of the world
+        group = core.CommGroup.WORLD if getattr(self, "_smp_shard", None) is not None else None
+        got, _ = model_state.exchange(state, needed, group)
         state.update(got)
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(self.param_groups):
@@ -137,7 +178,9 @@ def _step(self, *args, **kwargs):
     [Automatic resume] in smp/auto_resume.py)."""
     if auto_resume.optimizer_step_skipped():
         return None
-    return self._smp_orig_step(*args, **kwargs)
+    out = self._smp_orig_step(*args, **kwargs)
+    optimizer_sharding.after_step(self)  # Note [Sharded optimizer state]
+    return out
 
 
 def DistributedOptimizer(optimizer):  # noqa: N802  (SMP v1 name)
@@ -164,4 +207,5 @@ def DistributedOptimizer(optimizer):  # noqa: N802  (SMP v1 name)
         from smp import join
         join.make_optimizer_joinable(optimizer)  # Join([model, optimizer]) (smp/join.py)
     core.state.optimizer = optimizer
+    optimizer_sharding.install(core.state.model, optimizer)  # a model already partitioned
     return optimizer

@@ -23,7 +23,11 @@ Runs, each in fresh processes:
   wrapping and partitioning (the first step's forward, no optimizer) with and without
   deferred init, minus the baseline.
 
-Not measured yet: pp=2 x dp=2 with optimizer-state sharding (not built). One JSON line.
+- `pp2xdp2_*`: an 8-layer model (~130M parameters) at pp=2 x dp=2 without and with
+  `shard_optimizer_state`: per rank, the optimizer state held, the peak, and the ratio
+  peak / (S + activations) with S counting the optimizer share the rank really holds.
+
+One JSON line.
 
     PYTHONPATH=build/python .venv/bin/python bench/memory.py [--budget-gb 2.5]
 """
@@ -95,7 +99,8 @@ def rank_main(opts):
     if opts.get("data_limit"):
         limit = int(_status_mb("VmData") * 2**20) + opts["data_limit"]
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-    smp.init({"partitions": opts["partitions"], "microbatches": MB})
+    smp.init({"partitions": opts["partitions"], "microbatches": MB, "ddp": opts.get("ddp", False),
+              "shard_optimizer_state": opts.get("shard", False)})
     with torch.device("meta"):  # torch's meta kernels (Python code): in every run
         nn.Linear(4, 4)(torch.ones(1, 4))
     start = _status_mb("VmRSS")
@@ -111,7 +116,8 @@ def rank_main(opts):
         opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-4,
                                                          foreach=opts.get("foreach")))
     g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, vocab, (MB, CTX + 1), generator=g)
+    data = torch.randint(0, vocab, (MB * smp.dp_size(), CTX + 1), generator=g)
+    data = data[smp.dp_rank() * MB:(smp.dp_rank() + 1) * MB]
 
     @smp.step
     def train(x, y):
@@ -139,8 +145,13 @@ def rank_main(opts):
     peak = _status_mb("VmHWM") - start
     held = sum(p.numel() for p in model.local_parameters())  # this rank's, tied once
     state = held * (4 + 4 + 8) / 2**20 if opts["train"] else held * 4 / 2**20
+    if opt is not None:  # what the optimizer really holds (a share, when sharded)
+        opt_mb = sum(t.numel() * t.element_size() for s in opt.state.values()
+                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0) / 2**20
+        state = held * 8 / 2**20 + opt_mb
     act = tracker.peak / 2**20 if tracker is not None else 0.0
     rows = smp.allgather(dict(peak_mb=round(peak, 1), state_mb=round(state, 1),
+                              optimizer_mb=round(opt_mb, 1) if opt is not None else 0.0,
                               activation_mb=round(act, 1), params=held))
     if smp.rank() == 0:
         print("RESULT " + json.dumps({"ranks": rows, "loss": loss.item(), "total": total,
@@ -175,6 +186,9 @@ def main():
     pp4_loop = launch(**dict(base, data_limit=budget, foreach=False))
     pp1 = launch(**dict(base, world=1, partitions=1, data_limit=budget))
     wrap_d = launch(**dict(base, train=False))["ranks"]
+    # pp=2 x dp=2, 8 layers (~130M parameters), without and with optimizer-state sharding.
+    dp = dict(base, partitions=2, layers=8, ddp=True)
+    unsharded, sharded = launch(**dp)["ranks"], launch(**dict(dp, shard=True))["ranks"]
     wrap_e = launch(**dict(base, train=False, deferred=False))["ranks"]
     one_process_gb = pp4["total"] * 16 / 1e9
 
@@ -196,7 +210,13 @@ def main():
            "pp1_error": pp1.get("error"), "pp1_seconds": pp1.get("seconds"),
            "wrap_deferred_mb": [round(r["peak_mb"] - f, 1) for r, f in zip(wrap_d, floor)],
            "wrap_eager_mb": [round(r["peak_mb"] - f, 1) for r, f in zip(wrap_e, floor)],
-           "sharded_pp2xdp2": None, "torch": torch.__version__}
+           "pp2xdp2_optimizer_mb": [r["optimizer_mb"] for r in unsharded],
+           "pp2xdp2_sharded_optimizer_mb": [r["optimizer_mb"] for r in sharded],
+           "pp2xdp2_peak_mb": [round(r["peak_mb"] - f, 1) for r, f in zip(unsharded, floor)],
+           "pp2xdp2_sharded_peak_mb": [round(r["peak_mb"] - f, 1) for r, f in zip(sharded, floor)],
+           "pp2xdp2_sharded_ratio": [round((r["peak_mb"] - f) / (r["state_mb"] + r["activation_mb"]), 3)
+                                     for r, f in zip(sharded, floor)],
+           "torch": torch.__version__}
     print(json.dumps(out))
 
 

@@ -142,6 +142,7 @@ me = smp.pp_rank()
 a = torch.nn.Parameter(torch.full((2, 3), float(me + 1)))    # held by pp ranks 0, 1, 2
 b = torch.nn.Parameter(torch.full((4,), 10.0 * (me + 1)))    # held by pp ranks 0 and 2
 tied = placement.TiedParameters([("a", a, [0, 1, 2]), ("b", b, [0, 2])], me)
+tied.connect()  # the holders' groups, as apply() makes them
 if me == 1:
     b.data = torch.empty(0)  # released where it is not held, as apply() does
 

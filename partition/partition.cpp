@@ -26,6 +26,13 @@ void validate_options(const Options& o) {
   if (!(o.memory_weight >= 0.0 && o.memory_weight <= 1.0)) {
     fail("'memory_weight'=", o.memory_weight, " is not in [0, 1]");
   }
+  if (!(o.param_memory_factor > 0.0) || !std::isfinite(o.param_memory_factor)) {
+    fail("'param_memory_factor'=", o.param_memory_factor, " is not allowed (must be finite and > 0)");
+  }
+  if (!(o.activation_memory_factor > 0.0) || !std::isfinite(o.activation_memory_factor)) {
+    fail("'activation_memory_factor'=", o.activation_memory_factor,
+         " is not allowed (must be finite and > 0)");
+  }
   if (!(o.balance_slack >= 0.0) || !std::isfinite(o.balance_slack)) {
     fail("'balance_slack'=", o.balance_slack, " is not allowed (must be finite and >= 0)");
   }
@@ -151,7 +158,7 @@ uint64_t plan_hash(const std::vector<ModuleNode>& nodes, const std::vector<int>&
 Plan make_plan(const std::vector<ModuleNode>& nodes, const Options& opts) {
   validate_options(opts);
   const detail::ModuleTree tree = detail::build_tree(nodes);
-  const detail::UnitCosts costs = detail::unit_costs(nodes, tree, opts.memory_weight);
+  const detail::UnitCosts costs = detail::unit_costs(nodes, tree, opts);
 
   Plan plan;
   plan.assignment = opts.auto_partition ? auto_assignment(nodes, tree, costs, opts, &plan.cut_depth)
@@ -161,9 +168,17 @@ Plan make_plan(const std::vector<ModuleNode>& nodes, const Options& opts) {
   plan.unit_order = tree.order;
   plan.stage_cost.assign(opts.partitions, 0.0);
   plan.stage_param_bytes.assign(opts.partitions, 0);
+  plan.stage_memory_bytes.assign(opts.partitions, 0.0);
   for (size_t i = 0; i < nodes.size(); ++i) {
     plan.stage_cost[plan.assignment[i]] += plan.node_cost[i];
     plan.stage_param_bytes[plan.assignment[i]] += nodes[i].param_bytes;
+    // Activations count in units only (a container returns its last child's output).
+    const bool in_unit = tree.unit[i] >= 0;
+    const double acts = in_unit ? static_cast<double>(std::max<int64_t>(nodes[i].activation_bytes, 0))
+                                : 0.0;
+    plan.stage_memory_bytes[plan.assignment[i]] +=
+        opts.param_memory_factor * static_cast<double>(nodes[i].param_bytes) +
+        opts.activation_memory_factor * acts;
   }
   plan.hash = plan_hash(nodes, plan.assignment, opts.partitions);
   return plan;

@@ -52,6 +52,14 @@ struct Options {
   // Weight of memory balance vs compute balance, in [0, 1] (config `memory_weight`;
   // smp's config resolves it from `optimize`: 0.2 for "speed", 0.8 for "memory").
   double memory_weight = 0.2;
+  // Bytes of training state per parameter byte held by a stage: the weight, its
+  // gradient and the optimizer's state tensors (divided by dp when the optimizer state
+  // is sharded), > 0. Default 2 (weight and gradient: the optimizer is not known).
+  // smp sets it from the optimizer under optimize="memory" (Note [Cost model]).
+  double param_memory_factor = 2.0;
+  // Bytes of activations per traced activation byte (the microbatches a stage holds
+  // at once under optimize="memory"), > 0.
+  double activation_memory_factor = 1.0;
   // false: smp.partition() placements and default_partition decide (no cost model).
   bool auto_partition = true;
   // Partition of modules created outside any smp.partition() (auto_partition=false).
@@ -79,6 +87,9 @@ struct Plan {
   std::vector<double> stage_cost;
   // Parameter and buffer bytes each partition holds.
   std::vector<int64_t> stage_param_bytes;
+  // Estimated training-state and activation bytes per stage: param_memory_factor x
+  // parameter bytes + activation_memory_factor x traced activation bytes (Options).
+  std::vector<double> stage_memory_bytes;
   // Tree depth of the lowest common ancestor of the two units at each stage
   // boundary (partitions - 1 entries; empty with auto_partition=false).
   std::vector<int> cut_depth;

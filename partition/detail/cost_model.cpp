@@ -26,7 +26,8 @@ std::vector<int> charge_targets(const std::vector<ModuleNode>& nodes, const Modu
 }  // namespace
 
 UnitCosts unit_costs(const std::vector<ModuleNode>& nodes, const ModuleTree& tree,
-                     double memory_weight) {
+                     const Options& opts) {
+  const double memory_weight = opts.memory_weight;
   const int n = static_cast<int>(nodes.size());
   UnitCosts out;
   out.timed = tree.traced;
@@ -45,8 +46,9 @@ UnitCosts unit_costs(const std::vector<ModuleNode>& nodes, const ModuleTree& tre
     const bool in_unit = tree.unit[i] >= 0;
     const double params = static_cast<double>(m.param_bytes);
     const double acts = in_unit ? static_cast<double>(m.activation_bytes) : 0.0;
-    double mi = kParamMemoryFactor * params;
-    mi += out.memory_measured ? static_cast<double>(std::max<int64_t>(m.mem_bytes, 0)) : acts;
+    double mi = opts.param_memory_factor * params;
+    mi += opts.activation_memory_factor *
+          (out.memory_measured ? static_cast<double>(std::max<int64_t>(m.mem_bytes, 0)) : acts);
     double ci;
     if (out.timed) {
       ci = std::max(m.time_ms, 0.0);

@@ -8,19 +8,16 @@
 
 namespace smp::partition::detail {
 
-// Bytes a parameter costs relative to an activation byte: the weight and its
-// gradient both live on the owner for the whole step (optimizer state is unknown
-// when partitioning, so it is left out).
-constexpr double kParamMemoryFactor = 2.0;
-
 // Note [Cost model]
 // Each node's own memory and compute go to one cost item: a node inside a unit to
 // that unit; the root's own parameters and code to the root (always partition 0); a
 // non-root container's own code (glue between its children) to the first unit of
 // its subtree in execution order. Per node:
-//   memory  = kParamMemoryFactor * param_bytes
-//             + mem_bytes when memory was measured, else activation_bytes (units only:
-//               a container's outputs are its last child's outputs)
+//   memory  = param_memory_factor * param_bytes (weight, gradient and optimizer state
+//             per parameter byte: Options)
+//             + activation_memory_factor * (mem_bytes when memory was measured, else
+//               activation_bytes; units only: a container's outputs are its last
+//               child's outputs)
 //   compute = time_ms when time was measured,
 //             else param_bytes * calls + activation_bytes (units only)
 // "Measured" is decided once for the whole trace: every called node carries a value
@@ -38,6 +35,6 @@ struct UnitCosts {
 };
 
 UnitCosts unit_costs(const std::vector<ModuleNode>& nodes, const ModuleTree& tree,
-                     double memory_weight);
+                     const Options& opts);
 
 }  // namespace smp::partition::detail

@@ -34,6 +34,8 @@ void bind_partition(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("partitions", &Options::partitions)
       .def_readwrite("memory_weight", &Options::memory_weight)
+      .def_readwrite("param_memory_factor", &Options::param_memory_factor)
+      .def_readwrite("activation_memory_factor", &Options::activation_memory_factor)
       .def_readwrite("auto_partition", &Options::auto_partition)
       .def_readwrite("default_partition", &Options::default_partition)
       .def_readwrite("balance_slack", &Options::balance_slack);
@@ -44,6 +46,7 @@ void bind_partition(py::module_& m) {
       .def_readonly("unit_order", &Plan::unit_order)
       .def_readonly("stage_cost", &Plan::stage_cost)
       .def_readonly("stage_param_bytes", &Plan::stage_param_bytes)
+      .def_readonly("stage_memory_bytes", &Plan::stage_memory_bytes)
       .def_readonly("cut_depth", &Plan::cut_depth)
       .def_readonly("hash", &Plan::hash)
       .def("table", &Plan::table);

@@ -537,13 +537,10 @@ def check_optimizer(optimizer):
 # rather than fail later inside an optimizer step with an allocator's message. The
 # need: the kept tensors, a gradient per parameter, and the optimizer's state per
 # parameter (two tensors for Adam-like optimizers, one for SGD with momentum or
-# RMSprop, two when the optimizer is not known yet). The limit: RLIMIT_DATA or RLIMIT_AS
+# RMSprop, two when the optimizer is not known yet; divided over the dp group when it
+# is sharded: smp/memory_estimate.py). The limit: RLIMIT_DATA or RLIMIT_AS
 # (what the process may still map). Every rank decides, and every rank raises the
 # first failing rank's message.
-_STATES_PER_PARAM = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2,
-                     "Adadelta": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1, "Rprop": 2}
-
-
 def _status_bytes(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -568,21 +565,21 @@ def memory_limit():
 def training_state_bytes(module, optimizer):
     """(bytes, parameters) of the training state of `module`'s meta tensors with
     elements (those this rank keeps): Note [Memory budget]."""
-    opt = getattr(optimizer, "optimizer", optimizer)
-    states = _STATES_PER_PARAM.get(type(opt).__name__, 2) if opt is not None else 2
-    if opt is not None and type(opt).__name__ == "SGD":
-        states = 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
+    from smp import core, memory_estimate, optimizer_sharding
+    states, opt_name = memory_estimate.states_per_param(optimizer)
+    shards = core.dp_size() if core.is_initialized() and optimizer_sharding.enabled() else 1
+    factor = memory_estimate.param_memory_factor(optimizer, shards)
     need, params = 0, 0
     for _, _, _, t in state_tensors(module):
         if not t.is_meta or t.numel() == 0:
             continue
         nbytes = t.numel() * t.element_size()
         if isinstance(t, torch.nn.Parameter) and t.requires_grad:
-            need += nbytes * (2 + states)
+            need += nbytes * factor
             params += t.numel()
         else:
             need += nbytes
-    return need, params, states, (type(opt).__name__ if opt is not None else None)
+    return need, params, states, opt_name
 
 
 def check_budget(module, optimizer, partitions):

@@ -112,6 +112,14 @@ def make_plan(records):
     opts = _C.partition.Options()
     opts.partitions = cfg.partitions
     opts.memory_weight = cfg.memory_weight
+    if getattr(cfg, "optimize", "speed") == "memory":
+        # Note [Cost model]: the bytes a stage really holds: each parameter with its
+        # gradient and optimizer state (a share when sharded), and the activations of
+        # the microbatches in flight.
+        from smp import memory_estimate, optimizer_sharding
+        opts.param_memory_factor = memory_estimate.param_memory_factor(
+            core.state.optimizer, core.dp_size() if optimizer_sharding.enabled() else 1)
+        opts.activation_memory_factor = float(min(cfg.active_microbatches, cfg.microbatches))
     opts.auto_partition = cfg.auto_partition
     opts.default_partition = cfg.default_partition
     nodes = to_module_nodes(records)

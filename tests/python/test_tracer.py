@@ -152,3 +152,38 @@ def test_make_plan_honours_manual_partitions_without_auto_partition(config):
     nodes, plan = tracer.make_plan(records)
     by_name = dict(zip([n.name for n in nodes], plan.assignment))
     assert (by_name["0"], by_name["1"], by_name["2"]) == (1, 0, 2)
+
+
+class _Wide(nn.Module):
+    """Few parameters, a wide output (a parameter-free expansion of a narrow product)."""
+
+    def __init__(self, n_in):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((n_in, 16), 0.01))
+
+    def forward(self, x):
+        return (x @ self.w).repeat(1, 64)
+
+
+def test_optimize_memory_counts_the_optimizer_state_a_stage_holds(config, monkeypatch):
+    # An embedding-like layer (3 units of parameters, a narrow output) and three layers
+    # with few parameters and 4 units of output each, balanced by memory alone
+    # (partition_test.cpp's MemoryFactorsWeighParametersAgainstActivations, traced):
+    # with a weight and its gradient per parameter the first layer shares a stage; with
+    # AdamW's two states as well it gets a stage of its own. "speed" ignores the optimizer.
+    net = nn.Sequential(nn.Linear(3072, 64), _Wide(64), _Wide(1024), _Wide(1024))
+    records = list(records_of(net, torch.ones(256, 3072)).values())
+
+    def first_split(optimize, optimizer):
+        monkeypatch.setattr(core.state, "optimizer", optimizer)
+        config(partitions=2, memory_weight=1.0, optimize=optimize, microbatches=1,
+               active_microbatches=3)
+        nodes, plan = tracer.make_plan(records)
+        by_name = dict(zip([n.name for n in nodes], plan.assignment))
+        return [by_name[str(i)] for i in range(4)]
+    params = list(net.parameters())
+    sgd = torch.optim.SGD(params, lr=0.1)
+    adamw = torch.optim.AdamW(params)
+    assert first_split("memory", sgd) == [0, 0, 1, 1]
+    assert first_split("memory", adamw) == [0, 1, 1, 1]
+    assert first_split("speed", adamw) == first_split("speed", sgd)

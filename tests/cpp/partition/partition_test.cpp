@@ -57,6 +57,39 @@ TEST(Partition, EqualLeavesSplitEvenly) {
   EXPECT_TRUE(p1.cut_depth.empty());
 }
 
+TEST(Partition, MemoryFactorsWeighParametersAgainstActivations) {
+  // An embedding-like layer (many parameters, small output) and three layers with few
+  // parameters and large outputs, balanced by memory alone. Counting the weight and
+  // its gradient only (the default factor 2: stages of 11.5 and 9 MiB), the embedding
+  // shares a stage; with Adam's two states per parameter (factor 4: 13 and 15 MiB) it
+  // is worth a stage of its own. Sharding the optimizer state over 4 dp ranks (factor
+  // 2.5) brings the first split back; weighing activations less moves it again.
+  TreeBuilder b;
+  b.add(0, "emb", 3 * kMiB, 1 * kMiB);
+  b.add(0, "l1", kMiB / 4, 4 * kMiB);
+  b.add(0, "l2", kMiB / 4, 4 * kMiB);
+  b.add(0, "l3", kMiB / 4, 4 * kMiB);
+  for (int i = 1; i <= 4; ++i) b.run(i);
+  const auto nodes = b.build();
+  Options o = opts(2, 1.0);
+  const Plan two = make_plan(nodes, o);
+  EXPECT_EQ(leaf_parts(two, nodes), (std::vector<int>{0, 0, 1, 1}));
+  o.param_memory_factor = 4.0;
+  const Plan four = make_plan(nodes, o);
+  EXPECT_EQ(leaf_parts(four, nodes), (std::vector<int>{0, 1, 1, 1}));
+  // The per-stage estimate follows the factors.
+  EXPECT_NEAR(four.stage_memory_bytes[0], 4.0 * 3 * kMiB + 1.0 * kMiB, 1.0);
+  EXPECT_NEAR(four.stage_memory_bytes[1], 3 * (4.0 * kMiB / 4 + 4.0 * kMiB), 1.0);
+  EXPECT_NEAR(two.stage_memory_bytes[0], 2.0 * (3 * kMiB + kMiB / 4) + 5.0 * kMiB, 1.0);
+  o.param_memory_factor = 2.5;
+  EXPECT_EQ(leaf_parts(make_plan(nodes, o), nodes), (std::vector<int>{0, 0, 1, 1}));
+  o.activation_memory_factor = 0.25;  // activations matter less: the embedding alone
+  EXPECT_EQ(leaf_parts(make_plan(nodes, o), nodes), (std::vector<int>{0, 1, 1, 1}));
+  o.param_memory_factor = 0.0;
+  EXPECT_NE(error_of(nodes, o).find("'param_memory_factor'=0 is not allowed"), std::string::npos)
+      << error_of(nodes, o);
+}
+
 TEST(Partition, UnequalLeavesMinimizeBottleneck) {
   std::vector<int64_t> params;
   for (int k = 1; k <= 9; ++k) params.push_back(k * kMiB);

@@ -3,7 +3,7 @@ ranks' PYTHONPATH, see conftest.rank_env)."""
 import torch
 import torch.nn as nn
 
-__all__ = ["Net", "gpt_job", "train_gpt"]
+__all__ = ["Net", "gpt_job", "state_digest", "train_gpt"]
 
 
 class Net(nn.Module):
@@ -40,7 +40,6 @@ def train_gpt(smp, model, opt, vocab, ctx, steps=3, per=8):
     """`steps` optimizer steps of a GPT-style `model` (examples/gpt_checkpoint.py) on
     seeded token data, `per` sequences per dp rank; returns the losses and a SHA-256 of
     every parameter (the full state on every rank), for comparing runs for equality."""
-    import hashlib
     loss_fn = nn.functional.cross_entropy
 
     @smp.step
@@ -58,9 +57,14 @@ def train_gpt(smp, model, opt, vocab, ctx, steps=3, per=8):
         losses.append(train_step(x[lo:lo + per], y[lo:lo + per]).reduce_mean().item())
         opt.step()
         opt.zero_grad()
-    state = model.state_dict()
+    return losses, state_digest(model.state_dict())
+
+
+def state_digest(state):
+    """A SHA-256 of a state dict's names and values (for comparing runs for equality)."""
+    import hashlib
     digest = hashlib.sha256()
     for k in sorted(state):
         digest.update(k.encode())
         digest.update(state[k].detach().contiguous().numpy().tobytes())
-    return losses, digest.hexdigest()
+    return digest.hexdigest()

@@ -17,14 +17,14 @@ import pytest
 EXAMPLES = str(pathlib.Path(__file__).resolve().parents[2] / "examples")
 
 GPT_RUN = r"""
-import hashlib, json, sys
+import json, sys
 import torch
 import smp
 
 opts = json.loads(sys.argv[1])
 sys.path.insert(0, opts["examples"])
 from gpt_checkpoint import CTX, GPT, VOCAB
-from nets import gpt_job, train_gpt  # tests/python/nets.py
+from nets import gpt_job, state_digest, train_gpt  # tests/python/nets.py
 
 model, opt = gpt_job(smp, GPT, opts["cfg"], deferred=opts["deferred"])
 meta = all(p.is_meta for p in model.get_module().parameters())
@@ -39,16 +39,12 @@ def logits(x):
     return model(x)
 
 logits(torch.randint(0, VOCAB, (8, CTX)))  # partitions: 0 training steps
-state = model.state_dict()
-digest = hashlib.sha256()
-for k in sorted(state):
-    digest.update(k.encode())
-    digest.update(state[k].contiguous().numpy().tobytes())
+step0 = state_digest(model.state_dict())
 tied = model.get_module().head.weight is model.get_module().tok.weight
 losses, params = train_gpt(smp, model, opt, VOCAB, CTX)
 if smp.rank() == 0:
     print("RESULT " + json.dumps(dict(meta=meta, after_build=after_build, tied=tied, hooked=hooked,
-                                      step0=digest.hexdigest(), losses=losses, params=params)))
+                                      step0=step0, losses=losses, params=params)))
 smp.shutdown()
 """
 

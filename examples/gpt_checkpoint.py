@@ -9,6 +9,9 @@ against the plain module trained in one process on the same data.
 
 `--activation-checkpointing` checkpoints every transformer layer (SMP v1.6's
 smp.set_activation_checkpointing): the same numbers, less activation memory.
+`--delay-init` builds the model inside smp.delay_param_initialization: each rank
+allocates and initializes only its partition, with the values of the eager build (the
+plain reference below is built eagerly from the same seed).
 """
 import argparse
 import copy
@@ -65,11 +68,18 @@ def main():
     ap.add_argument("--dir", default="/tmp/gpt_ckpt")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--delay-init", action="store_true")
     args = ap.parse_args()
     smp.init()
     torch.manual_seed(0)
-    net = GPT()
-    plain = copy.deepcopy(net)  # the reference, trained in this process alone
+    if args.delay_init:
+        plain = GPT()  # the reference, eager, trained in this process alone
+        torch.manual_seed(0)
+        with smp.delay_param_initialization():
+            net = GPT()  # no parameter memory until the first step partitions it
+    else:
+        net = GPT()
+        plain = copy.deepcopy(net)  # the reference, trained in this process alone
     model = smp.DistributedModel(net)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=3e-3))
     if args.activation_checkpointing:

@@ -191,8 +191,10 @@ class Recording:
         del real
         release_free_heap()
         ref = (lambda x: _Ref(x) if isinstance(x, torch.Tensor) and self.covers(x) else x)
+        reads = {key} | {_key(t) for t in _leaves((args, kwargs), [])
+                         if isinstance(t, torch.Tensor) and self.covers(t)}
         self.ops.append(_Op(fn, (_Ref(tensor),) + _tree_map(ref, tuple(args)),
-                            _tree_map(ref, kwargs), {key}, {key}, [], (generator, device, state)))
+                            _tree_map(ref, kwargs), reads, {key}, [], (generator, device, state)))
         return tensor
 
     def _draw_as_eager(self, func, args, kwargs, device):

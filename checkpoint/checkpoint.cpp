@@ -183,10 +183,49 @@ bool has_manifest(const std::string& path) {
 }
 
 namespace {
-CheckpointError checksum_mismatch(const std::string& path, const Manifest& m) {
-  return CheckpointError(str_cat("smp: checkpoint '", path, "': checksum mismatch (file altered; ",
-                                 m.describe(), ")"));
-}
+
+// Reads a sealed file's payload once, in order, hashing every byte but the zip comment
+// length (the last 2 bytes of the payload) as it goes; `check()` compares the hash
+// with the manifest's. Shared by read_verified (records into tensors) and verify.
+class HashedReader {
+ public:
+  HashedReader(const std::string& path, const Manifest& m, int fd)
+      : path_(path), m_(m), fd_(fd), hashed_(m.payload_size - 2), scratch_(kChunk) {}
+
+  // Reads [off, off + n) into dst (off must be where the last read ended).
+  void read(char* dst, uint64_t off, uint64_t n) {
+    for (uint64_t done = 0; done < n;) {
+      const size_t k = static_cast<size_t>(std::min<uint64_t>(kChunk, n - done));
+      pread_all(fd_, dst + done, k, off + done, path_);
+      const uint64_t lo = off + done;
+      if (lo < hashed_) h_.update(dst + done, static_cast<size_t>(std::min<uint64_t>(k, hashed_ - lo)));
+      done += k;
+    }
+    pos_ = off + n;
+  }
+
+  // Reads (and hashes) what lies between the last read and `end`, keeping none of it.
+  void skip_to(uint64_t end) {
+    while (pos_ < end) read(scratch_.data(), pos_, std::min<uint64_t>(kChunk, end - pos_));
+  }
+
+  void check() {
+    skip_to(m_.payload_size);
+    if (h_.digest() != m_.payload_hash)
+      throw CheckpointError(str_cat("smp: checkpoint '", path_, "': checksum mismatch (file "
+                                    "altered; ", m_.describe(), ")"));
+  }
+
+ private:
+  const std::string& path_;
+  const Manifest& m_;
+  int fd_;
+  uint64_t hashed_;
+  uint64_t pos_ = 0;
+  Hasher h_;
+  std::vector<char> scratch_;
+};
+
 }  // namespace
 
 VerifiedFile read_verified(const std::string& path) {
@@ -195,42 +234,18 @@ VerifiedFile read_verified(const std::string& path) {
   uint64_t size = 0;
   VerifiedFile out;
   out.manifest = read_trailer(f.fd, path, &size);
-  const uint64_t payload = out.manifest.payload_size;
-  auto index = detail::read_zip_index(f.fd, payload - kEocd, path);
+  auto index = detail::read_zip_index(f.fd, out.manifest.payload_size - kEocd, path);
   // One sequential pass: each record straight into its own tensor, the bytes between
   // records into a scratch buffer; every byte hashed right after it is read.
-  Hasher h;
-  const uint64_t hashed = payload - 2;
-  std::vector<char> scratch(kChunk);
-  uint64_t pos = 0;
-  auto hash_range = [&](char* dst, uint64_t off, uint64_t n) {
-    for (uint64_t done = 0; done < n;) {
-      const size_t k = static_cast<size_t>(std::min<uint64_t>(kChunk, n - done));
-      pread_all(f.fd, dst + done, k, off + done, path);
-      const uint64_t lo = off + done;
-      if (lo < hashed) h.update(dst + done, static_cast<size_t>(std::min<uint64_t>(k, hashed - lo)));
-      done += k;
-    }
-  };
-  auto skip_to = [&](uint64_t end) {
-    while (pos < end) {
-      const uint64_t k = std::min<uint64_t>(kChunk, end - pos);
-      hash_range(scratch.data(), pos, k);
-      pos += k;
-    }
-  };
+  HashedReader reader(path, out.manifest, f.fd);
   out.records.reserve(index.size());
   for (auto& rec : index) {
-    skip_to(rec.offset);
+    reader.skip_to(rec.offset);
     at::Tensor t = at::empty({static_cast<int64_t>(rec.size)}, at::kByte);
-    hash_range(static_cast<char*>(t.data_ptr()), rec.offset, rec.size);
-    pos = rec.offset + rec.size;
+    reader.read(static_cast<char*>(t.data_ptr()), rec.offset, rec.size);
     out.records.push_back({std::move(rec.name), std::move(t)});
   }
-  skip_to(payload);
-  if (h.digest() != out.manifest.payload_hash) {
-    throw checksum_mismatch(path, out.manifest);
-  }
+  reader.check();
   return out;
 }
 
@@ -239,18 +254,7 @@ Manifest verify(const std::string& path) {
   if (f.fd < 0) throw CheckpointError(sys_error("cannot open", path));
   uint64_t size = 0;
   Manifest m = read_trailer(f.fd, path, &size);
-  Hasher h;
-  const uint64_t hashed = m.payload_size - 2;  // as read_verified: all but the comment length
-  std::vector<char> scratch(kChunk);
-  for (uint64_t pos = 0; pos < hashed;) {
-    const size_t k = static_cast<size_t>(std::min<uint64_t>(kChunk, hashed - pos));
-    pread_all(f.fd, scratch.data(), k, pos, path);
-    h.update(scratch.data(), k);
-    pos += k;
-  }
-  if (h.digest() != m.payload_hash) {
-    throw checksum_mismatch(path, m);
-  }
+  HashedReader(path, m, f.fd).check();
   return m;
 }
 

@@ -874,30 +874,44 @@ struct Dispatcher::Impl {
     return forward_order && p2p->rank() == 0 && !plan_on;  // (mu held)
   }
 
+  // Gives the compute token up until `ready()` holds (checked with mu held, woken by
+  // cv), then takes it back at `priority()`. Throws TimeoutError naming `what()` when
+  // the config's timeout passes first (the token is taken back either way).
+  template <class Ready, class Priority, class What>
+  void wait_without_token(Ready ready, Priority priority, What what) {
+    p2p->release_token();
+    bool ok;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      ok = cv.wait_for(lock, timeout, ready);
+    }
+    p2p->acquire_token(priority());
+    if (!ok)
+      throw TimeoutError(str_cat("smp: timed out after ", timeout.count() / 1000.0,
+                                 " s waiting for ", what()));
+  }
+
   // Driver, task thread, token held: `mb` starts a forward action (its first at its
-  // task's start); waits, token given up, until it may.
+  // task's start); waits, token given up, until it may (Note [Forward order]).
   void start_forward_action(int64_t mb, int64_t priority) {
-    std::unique_lock<std::mutex> lock(mu);
-    if (!forward_ordered() || mb < 0 || mb >= static_cast<int64_t>(fwd_started.size())) return;
-    const int64_t j = fwd_started[mb];
-    auto may = [&] {
+    int64_t j = 0;
+    auto may = [&] {  // (mu held)
       return mb == 0 || fwd_over[mb - 1] || fwd_started[mb - 1] > j || over;
     };
-    if (!may()) {
-      stats.forward_order_waits++;
-      lock.unlock();
-      p2p->release_token();
-      lock.lock();
-      const bool ok = cv.wait_for(lock, timeout, may);
-      lock.unlock();
-      p2p->acquire_token(priority);
-      lock.lock();
-      if (!ok)
-        throw TimeoutError(str_cat("smp: timed out after ", timeout.count() / 1000.0,
-                                   " s waiting for microbatch ", mb - 1, " to start its forward "
-                                   "action ", j, " before microbatch ", mb,
-                                   " (Note [Forward order], pp rank 0)"));
+    bool wait = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!forward_ordered() || mb < 0 || mb >= static_cast<int64_t>(fwd_started.size())) return;
+      j = fwd_started[mb];
+      wait = !may();
+      if (wait) stats.forward_order_waits++;
     }
+    if (wait)
+      wait_without_token(may, [priority] { return priority; }, [mb, j] {
+        return str_cat("microbatch ", mb - 1, " to start its forward action ", j,
+                       " before microbatch ", mb, " (Note [Forward order], pp rank 0)");
+      });
+    std::lock_guard<std::mutex> lock(mu);
     fwd_started[mb]++;
     cv.notify_all();
   }
@@ -1478,19 +1492,13 @@ void Dispatcher::wait_all_forwards(int64_t mb) {
   I.crossed();
   if (!I.schedule.forwards_before_backwards()) return;
   if (I.p2p->rank() == 0) I.backward_begins(mb);
-  I.p2p->release_token();
-  bool done;
-  {
-    std::unique_lock<std::mutex> lock(I.mu);
-    done = I.cv.wait_for(lock, I.timeout, [&] {
-      return static_cast<int64_t>(I.forwards_done.size()) >= I.microbatches;
-    });
-  }
-  I.p2p->acquire_token(I.admit(mb, Phase::kBackward));
-  if (!done)
-    throw TimeoutError(str_cat("smp: timed out after ", I.timeout.count() / 1000.0,
-                               " s waiting for every microbatch's forward ('simple' pipeline) "
-                               "before backward (pp rank ", I.p2p->rank(), ")"));
+  I.wait_without_token(
+      [&I] { return static_cast<int64_t>(I.forwards_done.size()) >= I.microbatches; },
+      [&I, mb] { return I.admit(mb, Phase::kBackward); },
+      [&I] {
+        return str_cat("every microbatch's forward ('simple' pipeline) before backward (pp rank ",
+                       I.p2p->rank(), ")");
+      });
 }
 
 }  // namespace smp

@@ -114,6 +114,23 @@ def create_groups(topo, rank, world, timeout):
     return groups
 
 
+def new_groups_within_pp_groups(positions, backend=None):
+    """A process group of the members at pp ranks `positions` of every pp group of the
+    world (every rank makes every one, in the topology's order, as torch requires);
+    returns this rank's, or None when it is not at one of `positions`. Blocking waits
+    are bounded by config 'timeout_s'."""
+    import datetime
+    require_init()
+    timeout = datetime.timedelta(seconds=state.cfg.timeout_s)
+    mine = None
+    for pp in state.topology.all_pp_groups():
+        ranks = [list(pp)[p] for p in positions]
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if state.rank in ranks:
+            mine = group
+    return mine
+
+
 def get_world_process_group():
     require_init()
     return state.groups["world"]

@@ -26,7 +26,6 @@ exception and its traceback; the step body raises it on the driver, which then s
 ABORT to every pp rank, so every rank raises the same error and none hangs.
 """
 import contextlib
-import datetime
 import os
 import pickle
 import threading
@@ -35,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from smp import _C, core, log, placement
+from smp import _C, core, groups, log, placement
 from smp.nested import TensorSlot, map_leaves, unflatten
 from smp.remote_call import Call, encode_outputs, encode_request, request_plan
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
@@ -143,12 +142,7 @@ class Engine:
         if mode == "tcp" or (mode == "auto" and not cuda):
             return
         backend = core.choose_backend("nccl") if cuda and dist.is_nccl_available() else "gloo"
-        timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
-        mine = None
-        for ranks in core.state.topology.all_pp_groups():  # every rank, the same order
-            group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
-            if list(ranks) == list(pp_ranks):
-                mine = group
+        mine = groups.new_groups_within_pp_groups(range(len(pp_ranks)), backend=backend)
         device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
         kind = _C.PayloadTransport.C10D if mode == "c10d" else _C.PayloadTransport.AUTO
         self.p2p.set_payload_group(mine, kind, device)

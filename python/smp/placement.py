@@ -19,7 +19,7 @@ parameters, buffers and hooks, on every rank. What changes is where a module run
 import torch
 import torch.distributed as dist
 
-from smp import _C, core
+from smp import _C, core, groups
 
 __all__ = []
 
@@ -275,19 +275,8 @@ class TiedParameters:
 # a zero buffer the tensor's size (131 MB per step for a 32000 x 1024 tied embedding,
 # on every rank), and holders copied their gradient into a flat buffer first.
 def _holder_groups(entries):
-    sets = sorted({tuple(h) for _, _, h in entries})
-    if not sets:
-        return {}
-    topo = core.state.topology
-    replicas = sorted({tuple(topo.pp_group(r)) for r in range(core.size())})
-    mine = {}
-    for holders in sets:
-        for pp in replicas:
-            ranks = [pp[h] for h in holders]
-            group = dist.new_group(ranks)
-            if core.rank() in ranks:
-                mine[holders] = group
-    return mine
+    return {holders: groups.new_groups_within_pp_groups(holders)
+            for holders in sorted({tuple(h) for _, _, h in entries})}
 
 
 def find_tied(table, owner_of, me):

@@ -72,32 +72,32 @@ def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
     share only."""
     sd = _to_names(self, self._smp_orig_state_dict())
     local = _local_ids()
-    keep_all = None
     if local is not None:
-        params = [p for g in self.param_groups for p in g["params"]]
-        names = _param_names(self)
-        keep = {n for n, p in zip(names, params) if id(p) in local}
-        keep_all = {n for n, p in zip(_param_names(self, full=True),
-                                      [p for ps in _groups(self, full=True) for p in ps])
-                    if id(p) in local}
-        sd["state"] = {n: s for n, s in sd["state"].items() if n in keep}
-        sd["param_groups"] = [dict(g, params=[n for n in g["params"] if n in keep])
-                              for g in sd["param_groups"]]
+        sd = _keep_local(sd, _param_names(self), _groups(self, full=False), local)
     if cast_to_cpu:
         sd["state"] = {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                        for n, s in sd["state"].items()}
-    if gather_if_shard and getattr(self, "_smp_shard", None) is not None:
+    if gather_if_shard and optimizer_sharding.of(self) is not None:
         shares = core.allgather(sd, core.CommGroup.DP_GROUP)
-        sd["state"] = {n: st for share in shares for n, st in share["state"].items()}
         full = _param_names(self, full=True)
-        sd["param_groups"] = [dict(g, params=[full[i] for i in g["params"]])
-                              for g in _full_groups_by_position(self)]
+        sd = {"state": {n: st for share in shares for n, st in share["state"].items()},
+              "param_groups": [dict(g, params=[full[i] for i in g["params"]])
+                               for g in _full_groups_by_position(self)]}
         if local is not None:
-            sd["param_groups"] = [dict(g, params=[n for n in g["params"] if n in keep_all])
-                                  for g in sd["param_groups"]]
+            sd = _keep_local(sd, full, _groups(self, full=True), local)
     sd[model_state.PARTIAL_KEY] = core.pp_size() > 1
     sd[_BY_NAME] = True
     return sd
+
+
+def _keep_local(sd, names, groups, local):
+    """`sd` (by name) with only the parameters whose ids are in `local`; `names` names
+    the parameters of `groups` in order."""
+    params = [p for ps in groups for p in ps]
+    keep = {n for n, p in zip(names, params) if id(p) in local}
+    return {"state": {n: s for n, s in sd["state"].items() if n in keep},
+            "param_groups": [dict(g, params=[n for n in g["params"] if n in keep])
+                             for g in sd["param_groups"]]}
 
 
 def _full_groups_by_position(self):
@@ -113,7 +113,7 @@ def _full_groups_by_position(self):
 
 @core.api_call("optimizer.state_dict()")  # Note [Naming the call] in smp/core.py
 def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
-    sharded = getattr(self, "_smp_shard", None) is not None
+    sharded = optimizer_sharding.of(self) is not None
     if _local_ids() is None and not sharded:
         return self._smp_orig_state_dict()
     local = _local_state_dict(self, gather_if_shard=False, cast_to_cpu=cast_to_cpu)
@@ -153,7 +153,7 @@ def _load_state_dict(self, state_dict):
     needed = [n for n, p in zip(names, params) if local is None or id(p) in local]
     state = dict(sd["state"])
     if partial:  # a sharded optimizer's entries may be on any rank of the world
-        group = core.CommGroup.WORLD if getattr(self, "_smp_shard", None) is not None else None
+        group = core.CommGroup.WORLD if optimizer_sharding.of(self) is not None else None
         got, _ = model_state.exchange(state, needed, group)
         state.update(got)
     saved_groups = sd["param_groups"]

@@ -99,12 +99,22 @@ def enabled():
         core.dp_size() > 1
 
 
+def shards():
+    """Over how many ranks each pp rank's optimizer state is divided (1: not sharded)."""
+    return core.dp_size() if enabled() else 1
+
+
+def of(optimizer):
+    """The optimizer's Shard, or None when it is not sharded."""
+    return getattr(optimizer, "_smp_shard", None)
+
+
 def install(model, optimizer):
     """Divides `model`'s parameters between the dp group and restricts `optimizer` to
     this rank's (once both exist and the model is partitioned)."""
     if optimizer is None or model is None or not model.partitioned or not enabled():
         return
-    if getattr(optimizer, "_smp_shard", None) is not None:
+    if of(optimizer) is not None:
         return
     if type(optimizer).__name__ in _COUPLED:
         raise core.ConfigError(
@@ -117,6 +127,6 @@ def install(model, optimizer):
 
 
 def after_step(optimizer):
-    shard = getattr(optimizer, "_smp_shard", None)
+    shard = of(optimizer)
     if shard is not None:
         shard.gather()

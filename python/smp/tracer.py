@@ -118,7 +118,7 @@ def make_plan(records):
         # the microbatches in flight.
         from smp import memory_estimate, optimizer_sharding
         opts.param_memory_factor = memory_estimate.param_memory_factor(
-            core.state.optimizer, core.dp_size() if optimizer_sharding.enabled() else 1)
+            core.state.optimizer, optimizer_sharding.shards())
         opts.activation_memory_factor = float(min(cfg.active_microbatches, cfg.microbatches))
     opts.auto_partition = cfg.auto_partition
     opts.default_partition = cfg.default_partition

@@ -40,9 +40,10 @@ import warnings
 
 import torch
 
+from smp import nested
+
 __all__ = []
 
-_ACTIVE = []       # the recording contexts entered (innermost last)
 _RECORDINGS = []   # every recording whose storages some live tensor may still use
 
 
@@ -78,24 +79,8 @@ class _Op:
         self.reads, self.writes, self.outs, self.rng = reads, writes, outs, rng
 
 
-def _tree_map(fn, value):
-    if isinstance(value, (list, tuple)):
-        return type(value)(_tree_map(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _tree_map(fn, v) for k, v in value.items()}
-    return fn(value)
-
-
-def _leaves(value, out):
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            _leaves(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _leaves(v, out)
-    else:
-        out.append(value)
-    return out
+def _is_tensor(x):
+    return isinstance(x, torch.Tensor)
 
 
 def _written_args(func, args, kwargs):
@@ -105,7 +90,7 @@ def _written_args(func, args, kwargs):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(a.name)
-        written.extend(t for t in _leaves(value, []) if isinstance(t, torch.Tensor))
+        written.extend(nested.tensor_leaves(value))
     return written
 
 
@@ -130,7 +115,7 @@ class Recording:
         returns its (meta) result, or NotImplemented for an operation not ours."""
         if self.paused:
             return NotImplemented
-        tensors = [t for t in _leaves((args, kwargs), []) if isinstance(t, torch.Tensor)]
+        tensors = nested.tensor_leaves((args, kwargs))
         deferred = [t for t in tensors if self.covers(t)]
         device = kwargs.get("device")
         factory = not tensors and device is not None and torch.device(device).type != "meta"
@@ -146,16 +131,17 @@ class Recording:
         meta_kwargs = dict(kwargs, device=torch.device("meta")) if factory else kwargs
 
         def to_meta(x):
-            return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
+            return x if x.is_meta else x.to("meta")
         try:
-            out = func(*_tree_map(to_meta, args), **_tree_map(to_meta, meta_kwargs))
+            out = func(*nested.map_leaves(args, to_meta, _is_tensor),
+                       **nested.map_leaves(meta_kwargs, to_meta, _is_tensor))
         except Exception as e:
             raise RuntimeError(f"smp.delay_param_initialization: {func} failed on a deferred "
                                f"tensor: {e}") from e
         writes = {_key(t) for t in _written_args(func, args, kwargs) if self.covers(t)}
         outs = []
-        for o in _leaves(out, []):
-            if isinstance(o, torch.Tensor) and o.is_meta and _key(o) not in self.storages:
+        for o in nested.tensor_leaves(out):
+            if o.is_meta and _key(o) not in self.storages:
                 self.storages[_key(o)] = _Storage(o.untyped_storage(), device)
                 writes.add(_key(o))
                 outs.append(_key(o))
@@ -166,10 +152,13 @@ class Recording:
         rng = None
         if torch.Tag.nondeterministic_seeded in func.tags:
             rng = self._draw_as_eager(func, args, kwargs, device)
-        ref = (lambda x: _Ref(x) if isinstance(x, torch.Tensor) and self.covers(x) else x)
-        self.ops.append(_Op(func, _tree_map(ref, args), _tree_map(ref, kwargs),
+        self.ops.append(_Op(func, self._refs(args), self._refs(kwargs),
                             {_key(t) for t in deferred}, writes, outs, rng))
         return out
+
+    def _refs(self, value):
+        """`value` with each deferred tensor replaced by its _Ref."""
+        return nested.map_leaves(value, _Ref, lambda x: _is_tensor(x) and self.covers(x))
 
     def record_call(self, fn, tensor, args, kwargs):
         """Records `fn(tensor, *args, **kwargs)`, a torch.nn.init function, as one
@@ -190,11 +179,9 @@ class Recording:
             self.paused = False
         del real
         release_free_heap()
-        ref = (lambda x: _Ref(x) if isinstance(x, torch.Tensor) and self.covers(x) else x)
-        reads = {key} | {_key(t) for t in _leaves((args, kwargs), [])
-                         if isinstance(t, torch.Tensor) and self.covers(t)}
-        self.ops.append(_Op(fn, (_Ref(tensor),) + _tree_map(ref, tuple(args)),
-                            _tree_map(ref, kwargs), reads, {key}, [], (generator, device, state)))
+        reads = {key} | {_key(t) for t in nested.tensor_leaves((args, kwargs)) if self.covers(t)}
+        self.ops.append(_Op(fn, (_Ref(tensor),) + self._refs(tuple(args)), self._refs(kwargs),
+                            reads, {key}, [], (generator, device, state)))
         return tensor
 
     def _draw_as_eager(self, func, args, kwargs, device):
@@ -205,14 +192,14 @@ class Recording:
         scratch = {}
 
         def real(x):
-            if isinstance(x, torch.Tensor) and self.covers(x):
-                k = _key(x)
-                if k not in scratch:
-                    scratch[k] = torch.zeros(self.storages[k].nbytes, dtype=torch.uint8,
-                                             device=device).untyped_storage()
-                return _view(scratch[k], _Ref(x), device)
-            return x
-        func(*_tree_map(real, args), **_tree_map(real, kwargs))
+            k = _key(x)
+            if k not in scratch:
+                scratch[k] = _zeros_storage(self.storages[k].nbytes, device)
+            return _view(scratch[k], _Ref(x), device)
+
+        def deferred(x):
+            return _is_tensor(x) and self.covers(x)
+        func(*nested.map_leaves(args, real, deferred), **nested.map_leaves(kwargs, real, deferred))
         scratch.clear()
         release_free_heap()
         return generator, device, state
@@ -236,13 +223,13 @@ class Recording:
         before = {}  # each generator's state before the replay, restored after it
 
         def resolve(x):
-            if isinstance(x, _Ref):
-                if x.key not in real:  # written but not needed: scratch
-                    s = self.storages[x.key]
-                    real[x.key] = torch.zeros(s.nbytes, dtype=torch.uint8,
-                                              device=s.device).untyped_storage()
-                return _view(real[x.key], x, self.storages[x.key].device)
-            return x
+            s = self.storages[x.key]
+            if x.key not in real:  # written but not needed: scratch
+                real[x.key] = _zeros_storage(s.nbytes, s.device)
+            return _view(real[x.key], x, s.device)
+
+        def is_ref(x):
+            return isinstance(x, _Ref)
         try:
             for op in self.ops:
                 if not op.writes & needed:
@@ -254,8 +241,9 @@ class Recording:
                         before[which] = (generator, device,
                                          _generator_state(generator, device))
                     _set_generator_state(generator, device, state)
-                out = op.func(*_tree_map(resolve, op.args), **_tree_map(resolve, op.kwargs))
-                for k, o in zip(op.outs, _leaves(out, [])):
+                out = op.func(*nested.map_leaves(op.args, resolve, is_ref),
+                              **nested.map_leaves(op.kwargs, resolve, is_ref))
+                for k, o in zip(op.outs, nested.tensor_leaves(out)):
                     if k is not None:
                         real[k] = o.untyped_storage()
         finally:
@@ -287,6 +275,10 @@ def release_free_heap():
             _TRIM.append(None)
     if _TRIM[0] is not None:
         _TRIM[0](0)
+
+
+def _zeros_storage(nbytes, device):
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device).untyped_storage()
 
 
 def _view(storage, ref, device):
@@ -355,7 +347,6 @@ def delay_param_initialization(enabled=True):
                            f"identity and operator tags); this is torch {torch.__version__}")
     recording = Recording()
     _RECORDINGS.append(recording)
-    _ACTIVE.append(recording)
     saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS
              if hasattr(torch.nn.init, name)}
     try:
@@ -366,7 +357,6 @@ def delay_param_initialization(enabled=True):
     finally:
         for name, fn in saved.items():
             setattr(torch.nn.init, name, fn)
-        _ACTIVE.pop()
 
 
 # Note [Init functions]
@@ -569,7 +559,7 @@ def training_state_bytes(module, optimizer):
     elements (those this rank keeps): Note [Memory budget]."""
     from smp import core, memory_estimate, optimizer_sharding
     states, opt_name = memory_estimate.states_per_param(optimizer)
-    shards = core.dp_size() if core.is_initialized() and optimizer_sharding.enabled() else 1
+    shards = optimizer_sharding.shards() if core.is_initialized() else 1
     factor = memory_estimate.param_memory_factor(optimizer, shards)
     need, params = 0, 0
     for _, _, _, t in state_tensors(module):

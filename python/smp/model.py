@@ -121,6 +121,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self._plan = None
         self._owner = None          # module name -> pp rank (after partitioning)
         self._state_tensors = None  # the plain module's state, by key, in key order
+        self._state_shapes = None   # their shapes (taken before other ranks' are released)
         self._pending_state = None  # load_state_dict before partitioning
         self._module_table = None   # (name, module) of the plain module, after partitioning
         self.replica = Replica(self.local_parameters, self.local_buffers, self.bucket_cap_mb,
@@ -254,12 +255,12 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             agreement.agree_on_first_step(self.module, input_error)
         elif input_error is not None:
             raise input_error
-        self._state_shapes = {k: tuple(v.shape)
-                              for k, v in self.module.state_dict(keep_vars=True).items()}
+        # (materializing keeps each tensor's Python object: swap_tensors)
+        self._state_tensors = self.module.state_dict(keep_vars=True)
+        self._state_shapes = {k: tuple(v.shape) for k, v in self._state_tensors.items()}
         if self._deferred and core.pp_size() == 1:
             deferred_init.check_budget(self.module, core.state.optimizer, 1)
             deferred_init.materialize(self.module)
-        self._state_tensors = self.module.state_dict(keep_vars=True)
         if core.pp_size() > 1:
             part = PipelinePart(self.module, fn, mb_inputs, self.trace_execution_times,
                                 self.trace_memory_usage, self._stepping, self._deferred)

@@ -71,7 +71,8 @@ def gather_to_pp0(obj):
 
 class ModelStateMixin:
     """`local_state_dict`, `state_dict`, `load_state_dict` and the hooks of
-    DistributedModel. Uses the model's `_owner`, `_state_tensors`, `_pending_state`."""
+    DistributedModel. Uses the model's `_owner`, `_state_tensors`, `_state_shapes`,
+    `_pending_state`, `_deferred`."""
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -103,26 +104,23 @@ class ModelStateMixin:
 
     def _require_values(self, what):
         """A deferred model (smp/deferred_init.py) has no values before its first step."""
-        if getattr(self, "_deferred", False):
+        if self._deferred:
             raise RuntimeError(
                 f"smp: {what} of a model built under smp.delay_param_initialization has no "
                 "values before the first step, which partitions it and initializes each "
                 "rank's part; call it after the first @smp.step call")
 
-    def _state_shape(self, key):
-        shapes = getattr(self, "_state_shapes", None)
-        if shapes is not None:
-            return shapes.get(key)
-        t = self.module.state_dict(keep_vars=True).get(key)
-        return None if t is None else tuple(t.shape)
-
     def _check_shapes(self, sd, partial):
         """Every tensor of `sd` has the shape of the model's tensor of that name; raised
         the same on every pp rank (a full dict is the same on every rank; the entries
         of a partial one differ, so the ranks agree)."""
+        shapes = self._state_shapes  # taken at partitioning: other ranks' are released
+        if shapes is None:
+            shapes = {k: tuple(t.shape)
+                      for k, t in self.module.state_dict(keep_vars=True).items()}
         bad = []
         for k, v in sd.items():
-            want = self._state_shape(k)
+            want = shapes.get(k)
             if torch.is_tensor(v) and want is not None and tuple(v.shape) != want:
                 bad.append(f"'{k}': checkpoint {list(v.shape)}, model {list(want)}")
         error = None
@@ -214,7 +212,7 @@ class ModelStateMixin:
                              f"{type(state_dict).__name__} is not a dict")
         sd = dict(state_dict)
         partial = bool(sd.pop(PARTIAL_KEY, False))
-        if self._owner is None and (core.pp_size() > 1 or getattr(self, "_deferred", False)):
+        if self._owner is None and (core.pp_size() > 1 or self._deferred):
             # (a deferred model, smp/deferred_init.py, has no tensors to load into yet)
             self._pending_state = (dict(sd, **{PARTIAL_KEY: partial}), strict,
                                    same_partition_load)

@@ -30,7 +30,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from pipeline import BUILD, PYTHON, ActivationTracker, _python_env  # noqa: E402
+from pipeline import BUILD, PYTHON, ActivationTracker, _python_env, smp_training  # noqa: E402
 
 S, M, BATCH, WIDTH, DEPTH = 2, 8, 1024, 512, 8
 
@@ -48,26 +48,9 @@ def _rss_mb():
 
 
 def run_pp(steps, ckpt):
-    import torch
-    import torch.nn as nn
     import smp
     from smp import pipeline
-    torch.set_num_threads(1)
-    smp.init()
-    torch.manual_seed(0)
-    net = build_model()
-    model = smp.DistributedModel(net)
-    opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01))
-    if ckpt:
-        smp.set_activation_checkpointing(model.get_module(), strategy="each")
-    x, y = torch.randn(BATCH, WIDTH), torch.randint(0, 10, (BATCH,))
-
-    @smp.step
-    def train(x, y):
-        loss = nn.functional.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
+    _, model, opt, train, x, y = smp_training(build_model, BATCH, WIDTH, ckpt=ckpt)
     rss0 = _rss_mb()
     for _ in range(2):
         train(x, y)

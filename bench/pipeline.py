@@ -120,25 +120,36 @@ def run_single(steps, microbatches=1):
                                       for p in net.parameters()) / 2**20}))
 
 
-def run_pipeline(steps, overlap=True):
+def smp_training(build, batch, width, ckpt=False, **model_kwargs):
+    """An smp rank's side of a bench, one thread: smp.init() (the job's config), the
+    model `build()` makes from seed 0, wrapped (each child checkpointed with `ckpt`),
+    SGD, one batch and the @smp.step that trains on it: (net, model, opt, train, x, y)."""
     import torch
     import torch.nn as nn
     import smp
-    from smp import pipeline
     torch.set_num_threads(1)
     smp.init()
     torch.manual_seed(0)
-    net = build_model()
-    model = smp.DistributedModel(net, overlapping_allreduce=overlap)
+    net = build()
+    model = smp.DistributedModel(net, **model_kwargs)
     opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01))
-    x, y = torch.randn(BATCH, WIDTH), torch.randint(0, 10, (BATCH,))
+    if ckpt:
+        smp.set_activation_checkpointing(model.get_module(), strategy="each")
+    x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
 
     @smp.step
     def train(x, y):
         loss = nn.functional.cross_entropy(model(x), y)
         model.backward(loss)
         return loss
+    return net, model, opt, train, x, y
 
+
+def run_pipeline(steps, overlap=True):
+    import smp
+    from smp import pipeline
+    net, model, opt, train, x, y = smp_training(build_model, BATCH, WIDTH,
+                                                overlapping_allreduce=overlap)
     first = train(x, y).reduce_mean().item()  # includes trace + partition
     opt.step()
     opt.zero_grad()

@@ -46,8 +46,12 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
     except Exception as exc:  # reported to every rank below
         error = exc
         if deferred and not isinstance(exc, deferred_init.CreatedInForward):
-            error = type(exc)(f"{exc} (the first step traces a deferred model on meta "
-                              "tensors, shapes only: smp.delay_param_initialization)")
+            text = (f"{exc} (the first step traces a deferred model on meta tensors, shapes "
+                    "only: smp.delay_param_initialization)")
+            try:  # the same kind, so every rank raises it as such
+                error = type(exc)(text)
+            except Exception:  # noqa: BLE001  (a constructor that takes other arguments)
+                error = RuntimeError(text)
     finally:
         core.state.tracing = False
         restore()

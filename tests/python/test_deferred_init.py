@@ -304,9 +304,16 @@ class MakesInForward(nn.Module):
         return self.fc(x) * self.scale
 
 
+class Undecodable(nn.Linear):
+    def forward(self, x):  # an exception whose type a message alone cannot make
+        raise UnicodeDecodeError("utf-8", b"\\xff", 0, 1, "a label that is not UTF-8")
+
+
 with smp.delay_param_initialization():
     if case == "forward":
         net = nn.Sequential(nn.Linear(4, 4), MakesInForward())
+    elif case == "undecodable":
+        net = nn.Sequential(nn.Linear(4, 4), Undecodable(4, 4))
     elif case == "budget":  # 2 x 16 MiB of weights per rank: 128 MiB with AdamW
         net = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
     else:
@@ -350,6 +357,8 @@ smp.shutdown()
                    "has no values before the first step"),
     ("shape", "smp: load_state_dict: tensors whose shape differs from the model's: "
               "'1.weight': checkpoint [4, 5], model [4, 4]"),
+    ("undecodable", "a label that is not UTF-8 (the first step traces a deferred model on "
+                    "meta tensors, shapes only: smp.delay_param_initialization)"),
     ("budget", "MemoryError smp: this rank's part of the model needs 0.13 GiB for its "
                "training state (8.4M parameters with their gradients and AdamW's 2 state "
                "tensors) but the process may allocate"),

@@ -86,6 +86,15 @@ void Reducer::Impl::init() {
                                 " entries) is not a permutation of the ", n,
                                 " parameter indices"));
   }
+  if (sharded()) {
+    bool ok = static_cast<int64_t>(opts.owners.size()) == n;
+    for (int o : opts.owners) ok = ok && o >= -1 && o < world;
+    if (!ok)
+      throw ConfigError(str_cat("smp: Reducer: owners (", opts.owners.size(),
+                                " entries) must give each of the ", n,
+                                " parameters a rank of the group (0..", world - 1,
+                                ") or -1 (every rank)"));
+  }
   verify_across_ranks(order);
   bitmap_slots = detail::UsedBitmap(params.size(), world);
   rebuild_pending = opts.rebuild_buckets;
@@ -93,8 +102,8 @@ void Reducer::Impl::init() {
   seen.assign(n, 0);
   ready.assign(n, 0);
   used.assign(n, 0);
-  auto first_layout = compute_bucket_assignment(params, order, opts.bucket_cap_bytes,
-                                                opts.first_bucket_bytes);
+  auto first_layout = arranged(compute_bucket_assignment(params, order, opts.bucket_cap_bytes,
+                                                         opts.first_bucket_bytes));
   make_arena(first_layout);
   build_buckets(std::move(first_layout));
   queue = std::make_unique<CommQueue>(opts.group_name + "-reducer");
@@ -120,6 +129,8 @@ void Reducer::Impl::verify_across_ranks(const std::vector<int64_t>& order) {
      << " rebuild_buckets=" << opts.rebuild_buckets
      << " shared_memory=" << opts.shared_memory << " expected_order=";
   for (size_t k = 0; k < order.size(); ++k) os << (k ? "," : "") << order[k];
+  os << " owners=";
+  for (size_t k = 0; k < opts.owners.size(); ++k) os << (k ? "," : "") << opts.owners[k];
   for (const auto& p : params) os << "\n" << detail::describe_tensor(p);
   auto all = allgather_bytes(pg, os.str(), opts.timeout_s,
                              "the parameter check of the Reducer on " + group);
@@ -149,6 +160,15 @@ void Reducer::Impl::verify_across_ranks(const std::vector<int64_t>& order) {
                                 " (every rank must pass the same parameters in the same "
                                 "order)"));
   }
+}
+
+std::vector<std::vector<int64_t>> Reducer::Impl::arranged(
+    std::vector<std::vector<int64_t>> layout) const {
+  if (!sharded()) return layout;
+  auto key = [&](int64_t i) { return opts.owners[i] < 0 ? world : opts.owners[i]; };
+  for (auto& b : layout)
+    std::stable_sort(b.begin(), b.end(), [&](int64_t x, int64_t y) { return key(x) < key(y); });
+  return layout;
 }
 
 // The shared-memory segment for `for_layout` (collective; null on every rank when the
@@ -203,6 +223,14 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
       alias.set_(bk.buffer.storage(), bk.buffer.storage_offset() + bk.offsets[j], p.sizes());
       bk.views.push_back(std::move(alias));
       where[bk.params[j]] = {static_cast<int64_t>(b), static_cast<int64_t>(j)};
+      if (sharded()) {  // Note [Reduce to owner]: one segment per owner
+        const int owner = opts.owners[bk.params[j]];
+        const int64_t end = bk.offsets[j] + p.numel();
+        if (!bk.segments.empty() && bk.segments.back().owner == owner)
+          bk.segments.back().end = end;
+        else
+          bk.segments.push_back({bk.offsets[j], end, owner});
+      }
     }
   }
   if (opts.gradient_as_bucket_view) {
@@ -222,9 +250,15 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
   } else {
     bitmap = at::zeros({slots}, at::kInt);
   }
-  if (default_hook)
+  if (sharded()) {
+    detail::BucketSegments segments;
+    for (const auto& bk : fresh) segments.push_back(bk.segments);
+    hook = detail::make_owner_reduce_hook(arena, offsets, std::move(segments), opts.timeout_s,
+                                          group, steps_done);
+  } else if (default_hook) {
     hook = arena ? detail::make_shm_sum_hook(arena, offsets, opts.timeout_s, group, steps_done)
                  : detail::make_sum_allreduce_hook();
+  }
   buckets = std::move(fresh);
   layout = std::move(new_layout);
   runs.assign(buckets.size(), nullptr);
@@ -334,6 +368,9 @@ void Reducer::Impl::mark_ready_locked(int64_t i) {
       }
       if (opts.gradient_as_bucket_view) grad = view;
     }
+    // Note [Reduce to owner]: another rank keeps this gradient; its local sum is in the
+    // bucket now (a pipeline step may still redo it from .grad: freed in write_back).
+    if (!keeps(i) && !pipeline && !opts.gradient_as_bucket_view) grad = at::Tensor();
   }
   ready[i] = 1;
   --bk.pending;
@@ -465,6 +502,10 @@ void Reducer::Impl::write_back(size_t b, const int32_t* global) {
   at::Tensor flat = (same || opts.gradient_as_bucket_view) ? at::Tensor() : r.reshape({-1});
   for (size_t j = 0; j < bk.params.size(); ++j) {
     const int64_t i = bk.params[j];
+    if (!keeps(i)) {  // Note [Reduce to owner]: another rank keeps it
+      if (global == nullptr) params[i].mutable_grad() = at::Tensor();
+      continue;
+    }
     if (global == nullptr ? !used[i] : (used[i] || bitmap_slots.used_count(global, i) == 0))
       continue;
     at::Tensor& grad = params[i].mutable_grad();
@@ -582,6 +623,13 @@ Reducer::~Reducer() { impl_->shutdown(); }
 void Reducer::register_comm_hook(CommHookPtr hook) {
   if (!hook) throw ConfigError("smp: register_comm_hook: the hook is null");
   std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->sharded())
+    throw ConfigError(str_cat(
+        "smp: register_comm_hook(hook='", hook->name(), "'): with optimizer-state sharding "
+        "(config 'shard_optimizer_state'=true) each gradient is reduced to the one rank that "
+        "steps it (a reduce-scatter), and a comm hook reduces whole buckets; allowed with "
+        "sharding: no hook (the default reduction). Set 'shard_optimizer_state' to false to "
+        "use this hook"));
   if (!impl_->default_hook || impl_->started)
     throw std::logic_error("smp: register_comm_hook must be called once, before the first step");
   impl_->hook = std::move(hook);

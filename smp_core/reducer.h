@@ -65,6 +65,12 @@ struct ReducerOptions {
   bool rebuild_buckets = true;
   // Names the group in errors ("dp").
   std::string group_name = "dp";
+  // Optimizer-state sharding (Note [Reduce to owner], detail/reducer_default_hooks.cpp):
+  // owners[i] is the group rank that keeps parameter i's reduced gradient, or -1 for
+  // every rank. Each bucket is laid out owner by owner and each owner's part is summed
+  // to that rank only (a reduce-scatter); finalize() leaves .grad None on the others.
+  // No comm hook can be registered. Empty: every rank keeps every gradient.
+  std::vector<int> owners;
 };
 
 // What the last finalize() saw. Times in milliseconds.
@@ -98,7 +104,8 @@ class Reducer {
 
   // Replaces the default (average by allreduce) with `hook`. Allowed once, before the
   // first prepare_for_backward; else throws std::logic_error
-  // "smp: register_comm_hook must be called once, before the first step".
+  // "smp: register_comm_hook must be called once, before the first step". Throws
+  // ConfigError with ReducerOptions::owners (a hook reduces whole buckets).
   void register_comm_hook(CommHookPtr hook);
 
   // Before the first step: lays the buckets out as torch's DistributedDataParallel

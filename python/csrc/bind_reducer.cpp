@@ -462,7 +462,7 @@ void bind_reducer(py::module_& m) {
       .def(py::init([](std::vector<at::Tensor> params, const ProcessGroupPtr& pg,
                        double bucket_cap_mb, bool gradient_as_bucket_view, bool overlapping,
                        std::optional<std::vector<int64_t>> expected_order, double timeout_s,
-                       bool shared_memory) {
+                       bool shared_memory, std::vector<int> owners) {
              if (!(bucket_cap_mb > 0))
                throw ConfigError(str_cat("smp: Reducer bucket_cap_mb=", bucket_cap_mb,
                                          " must be > 0"));
@@ -474,6 +474,7 @@ void bind_reducer(py::module_& m) {
              if (expected_order) o.expected_order = *expected_order;
              o.timeout_s = timeout_s;
              o.shared_memory = shared_memory;
+             o.owners = std::move(owners);
              Reducer* r;
              {
                py::gil_scoped_release nogil;  // the constructor allgathers
@@ -491,7 +492,7 @@ void bind_reducer(py::module_& m) {
            py::arg("params"), py::arg("process_group"), py::arg("bucket_cap_mb") = 25.0,
            py::arg("gradient_as_bucket_view") = false, py::arg("overlapping") = true,
            py::arg("expected_order") = py::none(), py::arg("timeout_s") = 300.0,
-           py::arg("shared_memory") = true)
+           py::arg("shared_memory") = true, py::arg("owners") = std::vector<int>{})
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("sync"),
            py::arg("grad_scale") = 1.0, py::arg("outputs") = std::vector<at::Tensor>{},
            release())

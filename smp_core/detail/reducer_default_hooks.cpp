@@ -4,6 +4,8 @@
 // a comm hook is registered (Reducer::Impl::build_buckets).
 #include <ATen/ATen.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "smp_core/detail/reducer_impl.h"
 
 namespace smp::detail {
@@ -48,7 +50,75 @@ class ShmSumHook : public CommHook {
   std::shared_ptr<std::atomic<int64_t>> steps_;  // the reducer's steps_run
 };
 
+// Note [Reduce to owner]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// With optimizer-state sharding (python/smp/optimizer_sharding.py) only one rank of
+// the dp group steps each parameter, so only that rank needs its reduced gradient.
+// The reducer then lays each bucket out owner by owner (a segment per owner, in rank
+// order) and sums each segment to its owner alone: a reduce-scatter with the owners'
+// (uneven) shares. In shared memory each owner sums its own segments from every slot
+// (one round, like the allreduce); through the process group each segment is one
+// reduce to its owner. Parameters every rank keeps (owner -1: tied weights, summed
+// across pp ranks after the step) form a last segment that is all-reduced. finalize()
+// writes back only what this rank keeps and leaves .grad None elsewhere, so between
+// the reduction and the next backward a rank holds only its share of the gradients.
+// The sum order per element is the allreduce's: the summing rank's value, then the
+// others by rank.
+class OwnerReduceHook : public CommHook {
+ public:
+  OwnerReduceHook(std::shared_ptr<ShmArena> arena, std::vector<size_t> offsets,
+                  BucketSegments segments, double timeout_s, std::string group,
+                  std::shared_ptr<std::atomic<int64_t>> steps)
+      : arena_(std::move(arena)), offsets_(std::move(offsets)), segments_(std::move(segments)),
+        timeout_s_(timeout_s), group_(std::move(group)), steps_(std::move(steps)) {}
+  FuturePtr run(GradBucket& bucket) override {
+    const at::Tensor& buf = bucket.buffer();
+    const auto& segs = segments_.at(bucket.index());
+    const std::string what =
+        str_cat("bucket ", bucket.index(), " of ", bucket.bucket_count(), " (", name(), ") on ",
+                group_, " in step ", steps_->load() + 1);
+    if (arena_) {
+      arena_->reduce_segments(offsets_.at(bucket.index()), segs, buf.scalar_type(),
+                              bucket.is_shadow(), timeout_s_, what);
+      return completed_future(buf);
+    }
+    const auto& pg = bucket.process_group();
+    for (const Segment& seg : segs) {
+      if (seg.begin >= seg.end) continue;
+      std::vector<at::Tensor> v{buf.narrow(0, seg.begin, seg.end - seg.begin)};
+      if (seg.owner < 0) {
+        wait_work(pg->allreduce(v), timeout_s_, what);
+      } else {
+        c10d::ReduceOptions o;
+        o.rootRank = seg.owner;
+        wait_work(pg->reduce(v, o), timeout_s_, what);
+      }
+    }
+    return completed_future(buf);
+  }
+  std::string name() const override {
+    return arena_ ? "reduce to owner (shared memory)" : "reduce to owner";
+  }
+  bool issues_all_in_run() const override { return true; }
+
+ private:
+  std::shared_ptr<ShmArena> arena_;
+  std::vector<size_t> offsets_;
+  BucketSegments segments_;
+  double timeout_s_;
+  std::string group_;
+  std::shared_ptr<std::atomic<int64_t>> steps_;
+};
+
 }  // namespace
+
+CommHookPtr make_owner_reduce_hook(std::shared_ptr<ShmArena> arena, std::vector<size_t> offsets,
+                                   BucketSegments segments, double timeout_s, std::string group,
+                                   std::shared_ptr<std::atomic<int64_t>> steps) {
+  return std::make_shared<OwnerReduceHook>(std::move(arena), std::move(offsets),
+                                           std::move(segments), timeout_s, std::move(group),
+                                           std::move(steps));
+}
 
 CommHookPtr make_sum_allreduce_hook() { return std::make_shared<SumAllreduceHook>(); }
 

@@ -58,6 +58,13 @@ CommHookPtr make_sum_allreduce_hook();
 CommHookPtr make_shm_sum_hook(std::shared_ptr<ShmArena> arena, std::vector<size_t> offsets,
                               double timeout_s, std::string group,
                               std::shared_ptr<std::atomic<int64_t>> steps);
+// Note [Reduce to owner]: the default hooks with ReducerOptions::owners, summing each
+// of bucket b's `segments[b]` to its owner only. `arena` null: through the process group.
+using BucketSegments = std::vector<std::vector<Segment>>;
+CommHookPtr make_owner_reduce_hook(std::shared_ptr<ShmArena> arena, std::vector<size_t> offsets,
+                                   BucketSegments segments, double timeout_s,
+                                   std::string group,
+                                   std::shared_ptr<std::atomic<int64_t>> steps);
 
 struct ReducerBucket {
   at::Tensor buffer;               // flat, contiguous
@@ -65,6 +72,7 @@ struct ReducerBucket {
   std::vector<at::Tensor> tensors; // the parameters themselves (for GradBucket)
   std::vector<int64_t> offsets;
   std::vector<at::Tensor> views;   // views[j]: buffer slice shaped like params[j]
+  std::vector<Segment> segments;   // owner by owner (Note [Reduce to owner]); or empty
   size_t pending = 0;              // gradients not yet ready this step
 };
 
@@ -159,6 +167,12 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
 
   // reducer.cpp: construction, bucket arming, the normal step.
   void init();
+  // Note [Reduce to owner]: with owners, each bucket's parameters grouped by owner
+  // (stable; owners in rank order, every-rank ones last); else `layout` itself.
+  std::vector<std::vector<int64_t>> arranged(std::vector<std::vector<int64_t>> layout) const;
+  bool sharded() const { return !opts.owners.empty(); }
+  // Whether this rank keeps parameter i's reduced gradient.
+  bool keeps(int64_t i) const { return !sharded() || opts.owners[i] < 0 || opts.owners[i] == rank; }
   void verify_across_ranks(const std::vector<int64_t>& order);
   void build_buckets(std::vector<std::vector<int64_t>> new_layout);
   void make_arena(const std::vector<std::vector<int64_t>>& for_layout);

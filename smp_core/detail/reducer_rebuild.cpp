@@ -49,8 +49,8 @@ bool Reducer::Impl::apply_order() {
   if (!order.defined()) return false;
   std::vector<int64_t> o(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   order = at::Tensor();
-  auto fresh = compute_bucket_assignment(params, o, opts.bucket_cap_bytes,
-                                         opts.first_bucket_bytes);
+  auto fresh = arranged(compute_bucket_assignment(params, o, opts.bucket_cap_bytes,
+                                                  opts.first_bucket_bytes));
   if (fresh == layout) return false;
   // Collective: every rank reaches this point in the same sequence (the queue is idle).
   // A fresh segment: the gradients move from the old buckets into the new ones.
@@ -81,6 +81,7 @@ void Reducer::use_torch_initial_layout() {
   auto fresh = compute_bucket_assignment(im.params, order, im.opts.bucket_cap_bytes,
                                          im.opts.first_bucket_bytes);
   std::reverse(fresh.begin(), fresh.end());
+  fresh = im.arranged(std::move(fresh));
   if (fresh == im.layout) return;
   // Only an order within the same buckets: where torch's constructor groups the
   // parameters differently, its saved per-bucket state no longer fits on reload (torch
@@ -115,6 +116,7 @@ void Reducer::adopt_layout(std::vector<std::vector<int64_t>> layout) {
   im.rebuild_pending = false;
   im.recording = false;
   im.rebuilt = true;
+  layout = im.arranged(std::move(layout));
   if (layout == im.layout) return;
   if (im.arena) im.make_arena(layout);  // collective, as in apply_order()
   im.build_buckets(std::move(layout));

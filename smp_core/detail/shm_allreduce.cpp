@@ -10,6 +10,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -222,32 +223,62 @@ void ShmArena::wait_all(int array, uint64_t op, double timeout_s, const std::str
 
 void ShmArena::allreduce(size_t offset, int64_t numel, at::ScalarType dtype, bool shadow,
                          double timeout_s, const std::string& what) {
+  reduce_segments(offset, {Segment{0, numel, -1}}, dtype, shadow, timeout_s, what);
+}
+
+void ShmArena::reduce_segments(size_t offset, const std::vector<Segment>& segments,
+                               at::ScalarType dtype, bool shadow, double timeout_s,
+                               const std::string& what) {
   const uint64_t op = ++op_;
-  word(kShadow, rank_)->store(shadow ? op : 0, std::memory_order_relaxed);
+  word(kShadow, rank_)->store(shadow ? op : 0, std::memory_order_release);
   post(kInputs, op);  // release: the shadow flag and the slot's data go with it
   wait_all(kInputs, op, timeout_s, what);
 
-  // Part r: [begin, end) elements, 64-byte aligned so parts share no cache line.
+  std::vector<int> live;
+  for (int q = 0; q < world_; ++q)
+    if (word(kShadow, q)->load(std::memory_order_relaxed) != op) live.push_back(q);
+  const bool me_live = word(kShadow, rank_)->load(std::memory_order_relaxed) != op;
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t align = std::max<int64_t>(1, kLine / esize);
-  const int64_t chunk = (numel + world_ - 1) / world_;
-  const int64_t per = (chunk + align - 1) / align * align;
-  const int64_t begin = std::min(numel, per * rank_), end = std::min(numel, begin + per);
-  if (begin < end) {
-    std::vector<int> live;
-    for (int q = 0; q < world_; ++q)
-      if (word(kShadow, q)->load(std::memory_order_relaxed) != op) live.push_back(q);
-    if (!live.empty()) {
-      auto part = [&](int q) {
-        return at::from_blob(slot(q) + offset + begin * esize, {end - begin},
-                             at::TensorOptions().dtype(dtype));
-      };
-      const int dst = word(kShadow, rank_)->load(std::memory_order_relaxed) != op ? rank_ : live[0];
-      at::Tensor sum = part(dst);
-      for (int q : live)
-        if (q != dst) sum.add_(part(q));
-      for (int q : live)
-        if (q != dst) part(q).copy_(sum);
+  auto part = [&](int q, int64_t begin, int64_t end) {
+    return at::from_blob(slot(q) + offset + begin * esize, {end - begin},
+                         at::TensorOptions().dtype(dtype));
+  };
+  // Sums [begin, end) of every live slot into `dst`'s (a shadow rank counts as zeros).
+  auto sum_into = [&](int dst, int64_t begin, int64_t end) {
+    at::Tensor sum = part(dst, begin, end);
+    const bool dst_live = std::find(live.begin(), live.end(), dst) != live.end();
+    bool first = !dst_live;
+    for (int q : live) {
+      if (q == dst) continue;
+      if (first) {
+        sum.copy_(part(q, begin, end));
+        first = false;
+      } else {
+        sum.add_(part(q, begin, end));
+      }
+    }
+    return sum;
+  };
+  if (!live.empty()) {
+    for (const Segment& seg : segments) {
+      if (seg.begin >= seg.end) continue;
+      if (seg.owner == rank_) {
+        sum_into(rank_, seg.begin, seg.end);
+      } else if (seg.owner < 0) {
+        // Every rank sums part `rank_` of it, 64-byte aligned so that parts share no
+        // cache line, and copies that into every live slot.
+        const int64_t numel = seg.end - seg.begin;
+        const int64_t align = std::max<int64_t>(1, kLine / esize);
+        const int64_t chunk = (numel + world_ - 1) / world_;
+        const int64_t per = (chunk + align - 1) / align * align;
+        const int64_t begin = seg.begin + std::min(numel, per * rank_);
+        const int64_t end = std::min(seg.end, begin + per);
+        if (begin >= end) continue;
+        const int dst = me_live ? rank_ : live[0];
+        at::Tensor sum = sum_into(dst, begin, end);
+        for (int q : live)
+          if (q != dst) part(q, begin, end).copy_(sum);
+      }
     }
   }
   post(kParts, op);

@@ -16,6 +16,16 @@
 
 namespace smp::detail {
 
+// Elements [begin, end) of a bucket, and the group rank that keeps their sum: -1 for
+// every rank (Note [Reduce to owner], detail/reducer_default_hooks.cpp).
+struct Segment {
+  int64_t begin = 0, end = 0;
+  int owner = -1;
+  bool operator==(const Segment& o) const {
+    return begin == o.begin && end == o.end && owner == o.owner;
+  }
+};
+
 // Host name, boot id and pid namespace: processes with equal identities can look each
 // other up by pid (and share memory).
 std::string host_identity();
@@ -45,6 +55,12 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
   // arrive within `timeout_s` makes it throw TimeoutError naming `what` and the ranks.
   void allreduce(size_t offset, int64_t numel, at::ScalarType dtype, bool shadow,
                  double timeout_s, const std::string& what);
+  // The same, by segment of the region (elements from `offset`): a segment with an
+  // owner is summed into that rank's slot only (the other slots keep their own
+  // values); one with owner -1 into every slot. One round: as costly as allreduce.
+  void reduce_segments(size_t offset, const std::vector<Segment>& segments,
+                       at::ScalarType dtype, bool shadow, double timeout_s,
+                       const std::string& what);
 
   int rank() const { return rank_; }
   int world() const { return world_; }

@@ -212,6 +212,65 @@ TEST_P(ReducerPaths, GradScaleAndMixedDtypes) {
   });
 }
 
+// Note [Reduce to owner]: each rank keeps the average of the gradients it owns (and of
+// those every rank keeps, owner -1); the others' .grad is None after every step, with
+// any bucket size, accumulation without sync in between, and a rebuild.
+TEST_P(ReducerPaths, OwnersKeepOnlyTheirGradients) {
+  const Shapes shapes = {{3, 5}, {7}, {1}, {2, 2, 3}, {33}, {4}};
+  for (int n : {2, 3}) {
+    for (size_t cap : {size_t{1}, size_t{64}, kDefaultBucketBytesCap}) {
+      run_gloo_world(n, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+        auto ps = make_params(shapes);
+        ReducerOptions o;
+        o.bucket_cap_bytes = cap;
+        o.shared_memory = GetParam();
+        o.owners = {1 % n, 0, -1, 2 % n, 0, 1 % n};
+        Reducer red(ps, pg, o);
+        for (const auto& b : red.bucket_indices())  // grouped by owner, -1 last
+          for (size_t k = 1; k < b.size(); ++k) {
+            auto key = [&](int64_t i) { return o.owners[i] < 0 ? n : o.owners[i]; };
+            EXPECT_LE(key(b[k - 1]), key(b[k]));
+          }
+        for (int s = 0; s < 3; ++s) {
+          zero_grads(ps, s % 2 == 0);
+          if (s == 2) {  // accumulate once without sync: twice the gradient
+            red.prepare_for_backward(false);
+            linear_loss(ps, r + 1).backward();
+          }
+          step(red, linear_loss(ps, r + 1));
+          for (size_t i = 0; i < ps.size(); ++i) {
+            const std::string what = str_cat("n=", n, " cap=", cap, " step ", s, " param ", i);
+            if (o.owners[i] < 0 || o.owners[i] == r)
+              expect_all(ps[i].grad(), (s == 2 ? 2 : 1) * (n + 1) / 2.0, 1e-6, what);
+            else
+              EXPECT_FALSE(ps[i].grad().defined()) << what << ": kept by another rank";
+          }
+        }
+      });
+    }
+  }
+}
+
+TEST(Reducer, OwnersRefuseCommHooksAndBadOwners) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto ps = make_params({{4}, {5}});
+    ReducerOptions o;
+    o.owners = {0, 1};
+    Reducer red(ps, pg, o);
+    try {
+      red.register_comm_hook(std::make_shared<RecordingHook>());
+      ADD_FAILURE() << "a comm hook was accepted with owners";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("'shard_optimizer_state'=true"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("'recording'"), std::string::npos) << e.what();
+    }
+    ReducerOptions bad;
+    bad.owners = {0, 2};
+    EXPECT_THROW(Reducer(ps, pg, bad), ConfigError);
+  });
+}
+
 TEST(Reducer, NoSyncAccumulatesWithoutCommunication) {
   run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
     auto ps = make_params({{8}, {3, 3}});

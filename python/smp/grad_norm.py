@@ -6,7 +6,8 @@ misses the rest of the model. Here each pp rank sums |g|^p over the parameters i
 counts (a tied parameter counts once, on its lowest holder), one allreduce over the pp
 group adds the partitions up (MAX for the inf-norm), and every rank scales its
 gradients by the same factor. dp replicas hold equal gradients after the reduction, so
-they are not summed again. Same arithmetic as torch 1.13's clip_grad_norm_:
+they are not summed again (with optimizer-state sharding each dp rank counts the
+gradients it keeps, and the sum is over every rank). Same arithmetic as torch 1.13's clip_grad_norm_:
 coef = max_norm / (norm + 1e-6), clamped to 1.
 """
 import math
@@ -48,6 +49,11 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
     params = [p for p in model.local_parameters() if p.grad is not None]
     tied = model.pipeline.tied if model.pipeline is not None else None
     counted = [p for p in params if tied is None or tied.is_counted_here(p)]
+    # Note [Sharded optimizer state]: each gradient is kept (or, tied, counted) on one
+    # dp rank only: the dp ranks' sums add up too.
+    shard = model.replica.shard
+    if shard is not None:
+        counted = [p for p in counted if shard.owns(p)]
     device = params[0].grad.device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in counted]
     if math.isinf(norm_type):
@@ -56,10 +62,12 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
     else:
         local = (torch.stack([torch.norm(g, norm_type).to(device) for g in grads])
                  .pow(norm_type).sum() if grads else torch.zeros((), device=device))
-    if core.pp_size() > 1:
+    group = (core.get_world_process_group() if shard is not None
+             else core.get_pp_process_group() if core.pp_size() > 1 else None)
+    if group is not None:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         local = local.float() if local.dtype not in (torch.float32, torch.float64) else local
-        dist.all_reduce(local, op=op, group=core.get_pp_process_group())
+        dist.all_reduce(local, op=op, group=group)
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"smp.clip_grad_norm_: the total norm of order {norm_type} of the "

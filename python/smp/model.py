@@ -274,6 +274,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             self._guard_gradients()
             deferred_init.check_optimizer(core.state.optimizer)
         self.partitioned = True
+        self.replica.shard = optimizer_sharding.divide(self)
         activation_checkpointing.after_partition(self)
         self._apply_pending_state()  # deferred model/optimizer loads (model_state.py)
         optimizer_sharding.install(self, core.state.optimizer)
@@ -378,6 +379,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
                                "first step")
         if not callable(hook):
             raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
+        optimizer_sharding.check_hook(hook)
         from smp.ddp_comm_hooks._groups import resolve_hook_state
         replica.comm_hook = (resolve_hook_state(state), hook)
 

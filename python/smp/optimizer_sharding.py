@@ -5,24 +5,30 @@ Note [Sharded optimizer state]
 With AdamW the optimizer state (8 bytes per parameter) is the largest part of the
 training state, and without sharding every dp replica holds all of it. With sharding,
 the parameters a pp rank holds are divided between the ranks of its dp group, each
-parameter whole: each rank's optimizer keeps (and steps) only the parameters it was
-given, and after its step every rank sends the values of its own parameters to the
-others (one coalesced broadcast per dp rank, in C++), so every replica again holds
-every parameter.
+parameter whole:
+- the reducer reduces each gradient to the one rank that steps it (a reduce-scatter
+  with the owners' shares, overlapped with backward like the allreduce it replaces,
+  Note [Reduce to owner] in smp_core/detail/reducer_default_hooks.cpp); the others'
+  .grad is None after the step's reduction, so a rank holds only its share of the
+  gradients from then to the next backward;
+- each rank's optimizer keeps (and steps) only the parameters it was given;
+- after its step every rank sends the values of its own parameters to the others
+  (one coalesced broadcast per dp rank, in C++), so every replica again holds every
+  parameter.
 
 - Every torch.optim optimizer that updates each parameter from its own gradient and
-  state works unchanged (SGD, Adam, AdamW, RMSprop, Adagrad, ...): a parameter's
-  update is the same computation on the same all-reduced gradient, so the sharded run
-  equals the unsharded one bit for bit. One that couples parameters (LBFGS) is refused
-  by name.
-- `clip_grad_norm_` works as before: every rank holds every all-reduced gradient.
-- The parameters are divided once, at the first step (after partitioning): in the
-  reducer's order, largest first, each to the rank holding the fewest elements so far,
-  ties to the lower rank. Every rank of a dp group computes the same division from the
-  same shapes.
-- The gradients are still all-reduced (every rank ends the backward with every
-  gradient); reduce-scattering them, so each rank also holds only its share of the
-  gradients, is not built yet.
+  state works unchanged (SGD, Adam, AdamW, RMSprop, Adagrad, Adafactor, ...): a
+  parameter's update is the same computation on the same reduced gradient. One that
+  couples parameters (LBFGS) is refused by name.
+- Tied parameters (partitions > 1, summed across their pp holders after the step) are
+  all-reduced as before: every holder needs their gradient.
+- `model.clip_grad_norm_` (smp.clip_grad_norm_) counts each gradient on the rank that
+  keeps it and sums over every rank. torch.nn.utils.clip_grad_norm_ on one rank sees
+  only that rank's share, as it sees only its partition with partitions > 1.
+- Comm hooks reduce whole buckets; registering one with sharding raises.
+- The parameters are divided once, at partitioning: in the reducer's order, largest
+  first, each to the rank holding the fewest elements so far, ties to the lower rank.
+  Every rank of a dp group computes the same division from the same shapes.
 
 `optimizer.local_state_dict()` holds this rank's share; `optimizer.state_dict()`
 gathers every rank's share (collective over the world).
@@ -36,12 +42,28 @@ __all__ = []
 _COUPLED = ("LBFGS",)  # optimizers whose step couples parameters
 
 
+def check_hook(hook):
+    """Note [Reduce to owner]: a comm hook reduces whole buckets, which sharding
+    replaces by a reduction to each gradient's owner. Raises on every rank (each
+    registers, with the same config)."""
+    if enabled():
+        name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+        raise core.ConfigError(
+            f"smp: register_comm_hook(hook={name}): with optimizer-state sharding (config "
+            "'shard_optimizer_state'=true) each gradient is reduced to the one rank that "
+            "steps it (a reduce-scatter), and a comm hook reduces whole buckets; allowed "
+            "with sharding: no hook (the default reduction). Set 'shard_optimizer_state' "
+            "to false to use this hook")
+
+
 class Shard:
     """The division of a rank's parameters between its dp group (Note [Sharded
     optimizer state])."""
 
-    def __init__(self, params, dp_size, dp_rank):
+    def __init__(self, params, dp_size, dp_rank, replicated=()):
         self.dp_size, self.dp_rank = dp_size, dp_rank
+        self._replicated = {id(p) for p in replicated}
+        self._order = list(params)
         self.by_rank = [[] for _ in range(dp_size)]
         load = [0] * dp_size
         order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
@@ -57,6 +79,12 @@ class Shard:
 
     def owns(self, p):
         return id(p) in self.mine
+
+    def grad_owners(self):
+        """Per parameter (the reducer's order), the dp rank that keeps its reduced
+        gradient, or -1 where every rank does (Note [Reduce to owner])."""
+        owner = {id(p): r for r, ps in enumerate(self.by_rank) for p in ps}
+        return [-1 if id(p) in self._replicated else owner[id(p)] for p in self._order]
 
     def restrict(self, optimizer):
         """Leaves in `optimizer` only the parameters this rank steps (every one it does
@@ -109,9 +137,20 @@ def of(optimizer):
     return getattr(optimizer, "_smp_shard", None)
 
 
+def divide(model):
+    """The division of `model`'s parameters (partitioned) between its dp group; None
+    when not sharding. Tied parameters' gradients stay on every rank."""
+    if not enabled():
+        return None
+    params = model.replica.params()
+    tied = model.pipeline.tied if model.pipeline is not None else None
+    replicated = [p for p in params if tied is not None and tied.holds(p)]
+    return Shard(params, core.dp_size(), core.dp_rank(), replicated)
+
+
 def install(model, optimizer):
-    """Divides `model`'s parameters between the dp group and restricts `optimizer` to
-    this rank's (once both exist and the model is partitioned)."""
+    """Restricts `optimizer` to this rank's share of `model`'s parameters (once both
+    exist and the model is partitioned)."""
     if optimizer is None or model is None or not model.partitioned or not enabled():
         return
     if of(optimizer) is not None:
@@ -121,8 +160,7 @@ def install(model, optimizer):
             f"smp: config 'shard_optimizer_state'=true cannot shard {type(optimizer).__name__}, "
             "whose step couples every parameter; use an optimizer that updates each "
             "parameter from its own gradient (SGD, Adam, AdamW, ...) or set it to false")
-    params = model.replica.params()
-    optimizer._smp_shard = Shard(params, core.dp_size(), core.dp_rank())
+    optimizer._smp_shard = model.replica.shard
     optimizer._smp_shard.restrict(optimizer)
 
 

@@ -38,6 +38,9 @@ class Replica:
         self._overlapping = overlapping
         self.reducer = None            # smp._C.Reducer, made at the first reducing step
         self.comm_hook = None          # (state, hook) registered before the first step
+        # Note [Sharded optimizer state]: the division of the parameters between the dp
+        # group (smp/optimizer_sharding.py), set at partitioning; None: not sharded.
+        self.shard = None
         self._first_use_order = None
         self._record_handles = ()
         # Join (smp/join.py): average over the initial dp size or the ranks still
@@ -114,7 +117,8 @@ class Replica:
             params, core.get_dp_process_group(), bucket_cap_mb=self._bucket_cap_mb,
             gradient_as_bucket_view=self._gradient_as_bucket_view,
             overlapping=self._overlapping, expected_order=expected,
-            timeout_s=core.state.cfg.timeout_s)
+            timeout_s=core.state.cfg.timeout_s,
+            owners=self.shard.grad_owners() if self.shard is not None else [])
         if self.comm_hook is not None:
             from smp.ddp_comm_hooks import _install
             _install(self.reducer, *self.comm_hook)

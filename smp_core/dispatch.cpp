@@ -15,6 +15,7 @@
 #include <utility>
 
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/autograd_graph.h"
@@ -197,7 +198,10 @@ struct Dispatcher::Impl {
   bool nested_seen = false;            // driver: served a request this step
   // Note [Served backward].
   struct Kept {
-    std::vector<at::Tensor> inputs, outputs;
+    std::vector<at::Tensor> inputs;
+    // The outputs' gradient edges, not the outputs: the graph stays, the tensors go
+    // once sent (a served head's logits are not held until their backward).
+    std::vector<torch::autograd::Edge> outputs;
   };
   std::map<std::tuple<int, int64_t, int64_t>, Kept> kept;  // (src, mb, call id) ->
   // Note [Zero bubble at run time].
@@ -336,7 +340,8 @@ struct Dispatcher::Impl {
     try {
       const std::vector<bool> flags =
           parse_gradient_flags(msg.meta, k.outputs.size(), "a backward request");
-      std::vector<at::Tensor> outs, grads;
+      std::vector<torch::autograd::Edge> outs;
+      std::vector<at::Tensor> grads;
       size_t j = 0;
       for (size_t i = 0; i < flags.size(); ++i) {
         if (!flags[i]) continue;
@@ -356,7 +361,18 @@ struct Dispatcher::Impl {
       if (split) {
         if (!outs.empty()) in_grads = detail::backward_input_half(outs, grads, k.inputs, &weight);
       } else {
-        if (!outs.empty()) torch::autograd::backward(outs, grads);
+        if (!outs.empty()) {
+          for (size_t i = 0; i < outs.size(); ++i)
+            if (!outs[i].function)
+              throw std::runtime_error(str_cat(
+                  "smp: a backward request of microbatch ", msg.mb, " (call ", msg.call_id,
+                  ") carries a gradient for output ", i, ", which does not require grad"));
+          // torch::autograd::backward's engine call, from the edges (the engine checks
+          // each gradient's shape, dtype and device against its edge).
+          torch::autograd::Engine::get_default_engine().execute(
+              outs, grads, /*keep_graph=*/false, /*create_graph=*/false,
+              /*accumulate_grad=*/true, {});
+        }
         for (size_t i = 0; i < k.inputs.size(); ++i) {
           const at::Tensor& t = k.inputs[i];
           if (t.defined() && t.requires_grad()) in_grads[i] = t.grad();
@@ -1401,7 +1417,9 @@ void Dispatcher::keep_for_backward(int src, int64_t mb, int64_t call_id,
                                    std::vector<at::Tensor> inputs,
                                    std::vector<at::Tensor> outputs) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->kept[{src, mb, call_id}] = Impl::Kept{std::move(inputs), std::move(outputs)};
+  auto edges = detail::gradient_edges(outputs);
+  outputs.clear();
+  impl_->kept[{src, mb, call_id}] = Impl::Kept{std::move(inputs), std::move(edges)};
 }
 
 void Dispatcher::set_failure_encoder(FailureEncoder encode) {

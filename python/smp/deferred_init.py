@@ -44,7 +44,7 @@ from smp import nested
 
 __all__ = []
 
-_RECORDINGS = []   # every recording whose storages some live tensor may still use
+_RECORDINGS = []   # every recording whose storages some live tensor still uses
 
 
 def _supported():
@@ -65,10 +65,15 @@ class _Ref:
 
 
 class _Storage:
-    __slots__ = ("meta", "device", "nbytes")
+    """A recorded storage: held while its recording is open (no other storage can take
+    its key then), weakly afterwards (Note [Recording's lifetime])."""
+    __slots__ = ("meta", "ref", "device", "nbytes")
 
     def __init__(self, meta, device):
-        self.meta, self.device, self.nbytes = meta, device, meta.nbytes()
+        self.meta, self.ref, self.device, self.nbytes = meta, None, device, meta.nbytes()
+
+    def storage(self):
+        return self.meta if self.ref is None else self.ref()
 
 
 class _Op:
@@ -101,9 +106,38 @@ class Recording:
         self.storages = {}  # storage key -> _Storage
         self.ops = []
         self.paused = False  # running an init function for real (record_call)
+        self.live = None     # recorded storages still alive, once closed
 
     def covers(self, t):
-        return t.is_meta and _key(t) in self.storages
+        if not t.is_meta:
+            return False
+        s = self.storages.get(_key(t))
+        return s is not None and s.storage() is t.untyped_storage()
+
+    # Note [Recording's lifetime]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A recording is needed while some tensor still uses one of its storages (a module
+    # not materialized yet); its operations may hold real tensors the build copied from,
+    # so it must not outlive them all. While the context is open it holds its storages
+    # (no new storage can reuse a recorded one's key); at the exit it holds them weakly
+    # (torch keeps one Python object per storage, so the weak reference lives exactly as
+    # long as the storage), `covers` compares identity (a later storage at a dead one's
+    # address is not ours), and the last storage to die drops the recording.
+    def close(self):
+        import weakref
+        self.live = len(self.storages) + 1  # each death counts down, as does this call
+        for s in self.storages.values():
+            s.ref, s.meta = weakref.ref(s.meta, self._died), None
+        self._died(None)
+
+    def _died(self, _ref):
+        self.live -= 1
+        if self.live == 0:
+            self._drop()
+
+    def _drop(self):
+        if self in _RECORDINGS:
+            _RECORDINGS.remove(self)
 
     def device_of(self, t):
         return self.storages[_key(t)].device
@@ -351,12 +385,16 @@ def delay_param_initialization(enabled=True):
              if hasattr(torch.nn.init, name)}
     try:
         for name, fn in saved.items():
-            setattr(torch.nn.init, name, _recorded_init(fn, recording))
+            setattr(torch.nn.init, name, _recorded_init(fn))
+        _ACTIVE.append(recording)
         with _make_mode()(recording):
             yield
     finally:
+        if _ACTIVE and _ACTIVE[-1] is recording:
+            _ACTIVE.pop()
         for name, fn in saved.items():
             setattr(torch.nn.init, name, fn)
+        recording.close()  # Note [Recording's lifetime]
 
 
 # Note [Init functions]
@@ -372,16 +410,27 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
                    "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
 
 
-def _recorded_init(fn, recording):
+_ACTIVE = []   # the open recordings, innermost last
+_WRAPPED = {}  # torch.nn.init function -> its recording wrapper
+
+
+def _recorded_init(fn):
+    """`fn` recorded whole when its tensor belongs to the innermost open recording. The
+    wrapper names no recording (torch may keep the functions it saw; a recording must
+    not live on through them, Note [Recording's lifetime]), and is made once per `fn`."""
+    if fn in _WRAPPED:
+        return _WRAPPED[fn]
     import functools
 
     @functools.wraps(fn)
     def init(tensor, *args, **kwargs):
-        if isinstance(tensor, torch.Tensor) and recording.covers(tensor) and \
-                not recording.paused:
+        recording = _ACTIVE[-1] if _ACTIVE else None
+        if recording is not None and isinstance(tensor, torch.Tensor) and \
+                recording.covers(tensor) and not recording.paused:
             with torch.no_grad():
                 return recording.record_call(fn, tensor, args, kwargs)
         return fn(tensor, *args, **kwargs)
+    _WRAPPED[fn] = init
     return init
 
 

@@ -9,6 +9,16 @@ gradients by the same factor. dp replicas hold equal gradients after the reducti
 they are not summed again (with optimizer-state sharding each dp rank counts the
 gradients it keeps, and the sum is over every rank). Same arithmetic as torch 1.13's clip_grad_norm_:
 coef = max_norm / (norm + 1e-6), clamped to 1.
+
+Note [torch's clip on the whole model]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Training loops (Hugging Face's Trainer, Lightning, most scripts) call
+`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`. With partitions > 1 or
+optimizer-state sharding that norm is one rank's share only: every rank would clip by
+another number, silently. Once a DistributedModel exists, torch's function is wrapped:
+called with exactly that model's parameters (every one this rank holds, nothing else)
+it computes the global norm here, on every rank as the call is made on every rank;
+called with anything else it is torch's.
 """
 import math
 
@@ -76,3 +86,45 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
     for p in params:
         p.grad.detach().mul_(coef.to(p.grad.device))
     return total
+
+
+_TORCH_CLIP = None
+
+
+def redirect_torch_clip():
+    """Note [torch's clip on the whole model]: wraps torch.nn.utils.clip_grad_norm_
+    (once)."""
+    global _TORCH_CLIP
+    if _TORCH_CLIP is not None:
+        return
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+    _TORCH_CLIP = clip_grad.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        model = _whole_model(params)
+        if model is not None:
+            error_if_nonfinite = kwargs.get("error_if_nonfinite", args[0] if args else False)
+            return globals()["clip_grad_norm_"](model, max_norm, norm_type, error_if_nonfinite)
+        return _TORCH_CLIP(params, max_norm, norm_type, *args, **kwargs)
+    clip_grad_norm_.__doc__ = _TORCH_CLIP.__doc__
+    clip_grad_norm_.__wrapped__ = _TORCH_CLIP
+    clip_grad.clip_grad_norm_ = clip_grad_norm_
+    utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def _whole_model(params):
+    """The DistributedModel whose parameters `params` are, if its norm spans more than
+    this rank (partitions > 1 or sharded gradients); else None."""
+    if not core.is_initialized():
+        return None
+    model = getattr(core.state, "model", None)
+    if model is None or not model.partitioned:
+        return None
+    if core.pp_size() == 1 and model.replica.shard is None:
+        return None
+    local = {id(p) for p in model.local_parameters()}
+    given = {id(p) for p in params}
+    everything = local | {id(p) for p in model.module.parameters()}
+    return model if local <= given <= everything else None

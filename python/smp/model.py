@@ -131,6 +131,8 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         if not self._deferred:  # (a deferred model's parameters change tensors first)
             self._guard_gradients()
         core.state.model = self
+        from smp import grad_norm
+        grad_norm.redirect_torch_clip()  # Note [torch's clip on the whole model]
 
     def _guard_gradients(self):
         # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp raises.

@@ -22,9 +22,9 @@ parameter whole:
   couples parameters (LBFGS) is refused by name.
 - Tied parameters (partitions > 1, summed across their pp holders after the step) are
   all-reduced as before: every holder needs their gradient.
-- `model.clip_grad_norm_` (smp.clip_grad_norm_) counts each gradient on the rank that
-  keeps it and sums over every rank. torch.nn.utils.clip_grad_norm_ on one rank sees
-  only that rank's share, as it sees only its partition with partitions > 1.
+- `model.clip_grad_norm_` (smp.clip_grad_norm_, and torch's on the model's parameters:
+  Note [torch's clip on the whole model]) counts each gradient on the rank that keeps
+  it and sums over every rank.
 - Comm hooks reduce whole buckets; registering one with sharding raises.
 - The parameters are divided once, at partitioning: in the reducer's order, largest
   first, each to the rank holding the fewest elements so far, ties to the lower rank.

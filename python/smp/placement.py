@@ -199,8 +199,9 @@ class TiedParameters:
 
         Note [Tied copies]: sum_grads leaves every holder the same gradient, so equal
         optimizers keep the copies bitwise equal; a step that changes a copy's gradient
-        on one holder only (torch.nn.utils.clip_grad_norm_ on model.parameters() clips by
-        that rank's own norm) would make them drift apart silently. Each step starts by
+        on one holder only (torch.nn.utils.clip_grad_norm_ on some of the model's
+        parameters clips by that rank's own norm; on all of them it is smp's global clip,
+        Note [torch's clip on the whole model]) would make them drift apart silently. Each step starts by
         comparing an XXH3 fingerprint of every copy: one pass over the tied tensors
         (~7 GB/s) and one all_gather of 8 bytes per tied parameter on the pp group.
         """
@@ -221,8 +222,8 @@ class TiedParameters:
                     f"smp: the copies of tied parameter '{name}' on pp ranks {holders} "
                     "differ: something changed the gradient or the value of one copy only "
                     "since the last step. The usual cause is torch.nn.utils.clip_grad_norm_"
-                    "(model.parameters(), ...), which clips each rank's gradients by that "
-                    "rank's own norm; use model.clip_grad_norm_(max_norm) (or "
+                    " on some of the model's parameters, which clips each rank's gradients "
+                    "by that rank's own norm; use model.clip_grad_norm_(max_norm) (or "
                     "smp.clip_grad_norm_(model, max_norm)), which clips by the norm over "
                     f"every partition and keeps tied copies equal (rank {core.rank()})")
 

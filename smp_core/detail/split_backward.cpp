@@ -117,7 +117,7 @@ struct WeightHalf::State {
     std::vector<std::pair<NodePtr, variable_list>> clamps;
   };
   std::vector<Group> groups;
-  std::vector<at::Tensor> outputs;  // hold the graph until W is over
+  std::vector<Edge> roots;  // hold the graph until W is over
   bool ran = false;
 };
 
@@ -158,7 +158,22 @@ void WeightHalf::run() {
   state_.reset();  // the graph goes now
 }
 
+std::vector<Edge> gradient_edges(const std::vector<at::Tensor>& tensors) {
+  std::vector<Edge> edges;
+  for (const auto& t : tensors)
+    edges.push_back(t.defined() && t.requires_grad() ? torch::autograd::impl::gradient_edge(t)
+                                                      : Edge());
+  return edges;
+}
+
 std::vector<at::Tensor> backward_input_half(const std::vector<at::Tensor>& outputs,
+                                            const std::vector<at::Tensor>& grads,
+                                            const std::vector<at::Tensor>& inputs,
+                                            WeightHalf* weight) {
+  return backward_input_half(gradient_edges(outputs), grads, inputs, weight);
+}
+
+std::vector<at::Tensor> backward_input_half(const std::vector<Edge>& outputs,
                                             const std::vector<at::Tensor>& grads,
                                             const std::vector<at::Tensor>& inputs,
                                             WeightHalf* weight) {
@@ -168,11 +183,11 @@ std::vector<at::Tensor> backward_input_half(const std::vector<at::Tensor>& outpu
   std::vector<Edge> roots;
   variable_list root_grads;
   for (size_t i = 0; i < outputs.size(); ++i) {
-    if (!outputs[i].defined() || !outputs[i].requires_grad()) continue;
-    roots.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
+    if (!outputs[i].function) continue;
+    roots.push_back(outputs[i]);
     root_grads.push_back(grads[i]);
-    state->outputs.push_back(outputs[i]);
   }
+  state->roots = roots;
   std::vector<Edge> captures;  // the inputs', then each boundary node's inputs
   std::vector<int64_t> input_slot(inputs.size(), -1);
   std::unordered_set<Node*> input_nodes;

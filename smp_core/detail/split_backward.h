@@ -34,8 +34,14 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/edge.h>
 
 namespace smp::detail {
+
+// Each tensor's gradient edge (its grad_fn, or a leaf's accumulator); an empty edge
+// for one undefined or not requiring grad. Keeping the edges instead of the tensors
+// keeps the graph but not the tensors' memory (Note [Served backward]).
+std::vector<torch::autograd::Edge> gradient_edges(const std::vector<at::Tensor>& tensors);
 
 class WeightHalf {
  public:
@@ -51,7 +57,7 @@ class WeightHalf {
   void run();
 
  private:
-  friend std::vector<at::Tensor> backward_input_half(const std::vector<at::Tensor>&,
+  friend std::vector<at::Tensor> backward_input_half(const std::vector<torch::autograd::Edge>&,
                                                      const std::vector<at::Tensor>&,
                                                      const std::vector<at::Tensor>&,
                                                      WeightHalf*);
@@ -59,9 +65,15 @@ class WeightHalf {
   std::unique_ptr<State> state_;
 };
 
-// Runs I for `outputs` receiving `grads` (one each, defined): returns one gradient per
+// Runs I for `outputs` (gradient edges; empty ones are skipped) receiving `grads` (one
+// each, defined): returns one gradient per
 // entry of `inputs` (undefined where it gets none or does not require grad); no
 // parameter's .grad changes. `weight` receives W, to run later.
+std::vector<at::Tensor> backward_input_half(const std::vector<torch::autograd::Edge>& outputs,
+                                            const std::vector<at::Tensor>& grads,
+                                            const std::vector<at::Tensor>& inputs,
+                                            WeightHalf* weight);
+// The same from the output tensors.
 std::vector<at::Tensor> backward_input_half(const std::vector<at::Tensor>& outputs,
                                             const std::vector<at::Tensor>& grads,
                                             const std::vector<at::Tensor>& inputs,

@@ -377,3 +377,37 @@ def test_torch_1_13_names_the_version_it_needs():
     with pytest.raises(RuntimeError, match=r"smp.delay_param_initialization needs torch >= 2.0"):
         with smp.delay_param_initialization():
             pass
+
+
+@pytest.mark.skipif(not hasattr(torch, "Tag"), reason="needs torch >= 2.0")
+def test_a_recording_lives_exactly_as_long_as_its_storages():
+    # Note [Recording's lifetime]: a recording (and any real tensor its operations copied
+    # from) is dropped once no tensor uses its storages any more.
+    import gc
+    import smp
+    from smp import deferred_init
+    gc.collect()
+    before = len(deferred_init._RECORDINGS)
+    source = torch.randn(4, 4)
+    with smp.delay_param_initialization():
+        m = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            m.weight.copy_(source)  # the recording holds `source` for the replay
+        extra = torch.ones(3) * 2
+    assert len(deferred_init._RECORDINGS) == before + 1
+    import weakref
+    source_ref = weakref.ref(source)
+    del source
+    gc.collect()
+    assert source_ref() is not None, "the replay still needs the tensor copied from"
+    deferred_init.materialize(m)
+    assert torch.equal(m.weight, source_ref())
+    gc.collect()
+    assert len(deferred_init._RECORDINGS) == before + 1, "`extra` still uses a storage"
+    assert deferred_init._recording_of(extra) is not None
+    del extra
+    gc.collect()
+    assert len(deferred_init._RECORDINGS) == before
+    assert source_ref() is None, "the dropped recording released what it held"
+    # A meta tensor made afterwards is not taken for a recorded one.
+    assert deferred_init._recording_of(torch.empty(3, device="meta")) is None

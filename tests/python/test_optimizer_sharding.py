@@ -46,7 +46,10 @@ for step in range(opts.get("first", 0), opts["steps"]):
     x, y = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
     lo = smp.dp_rank() * per
     train(x[lo:lo + per], y[lo:lo + per])
-    model.clip_grad_norm_(1.0)
+    if opts.get("torch_clip"):  # Note [torch's clip on the whole model]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    else:
+        model.clip_grad_norm_(1.0)
     opt.step()
     if step + 1 < opts["steps"]:
         opt.zero_grad()
@@ -123,6 +126,20 @@ def test_sharded_tied_weights_across_partitions_equal_unsharded(ranks):
     for p, s in zip(plain, sharded):
         _close(s["params"], p["params"], "params")
         _close(s["opt"], p["opt"], "optimizer state")
+
+
+@pytest.mark.parametrize("cfg", [{"partitions": 1, "shard_optimizer_state": True},
+                                 {"partitions": 2}], ids=["pp1xdp4-sharded", "pp2xdp2"])
+def test_torch_clip_on_the_model_clips_by_the_global_norm(ranks, cfg):
+    # torch.nn.utils.clip_grad_norm_(model.parameters()) sees one rank's gradients; on
+    # a DistributedModel's parameters it clips by the norm over every rank (the dp=4
+    # unsharded run, where every rank holds every gradient, is the reference).
+    want = _run(ranks, 4, {"ddp": True}, "adamw")
+    got = _run(ranks, 4, dict(cfg, ddp=True), "adamw", torch_clip=True)
+    params = {}
+    for part in got:
+        params.update(part["params"])
+    _close(params, want[0]["params"], "params")
 
 
 def test_sharded_through_the_process_group_equals_shared_memory(ranks):

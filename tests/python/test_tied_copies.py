@@ -1,7 +1,8 @@
 """Copies of a parameter tied across pipeline ranks never drift apart silently
-(placement.py, Note [Tied copies]): local clipping with torch's clip_grad_norm_ is
-named within one step; smp's global clipping keeps them equal and matches the plain
-module."""
+(placement.py, Note [Tied copies]): local clipping with torch's clip_grad_norm_ on some parameters is
+named within one step; smp's global clipping (model.clip_grad_norm_, or torch's on all
+of the model's parameters) keeps them equal and matches the plain module."""
+import pytest
 
 SCRIPT = r"""
 import copy, sys, torch, torch.nn as nn
@@ -46,7 +47,10 @@ try:
     for step in range(3):
         idx, y = data(step)
         train(idx, y)
-        if mode == "local":
+        if mode == "local":  # each rank's matrices by their own norm
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.local_parameters() if p.dim() > 1], 0.01)
+        elif mode == "torch":  # Note [torch's clip on the whole model]: the global norm
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
         else:
             model.clip_grad_norm_(0.01)
@@ -65,8 +69,9 @@ except smp.TiedCopiesError as e:
 
 MESSAGE = ("smp: the copies of tied parameter 'tok.weight' on pp ranks [0, 1] differ: "
            "something changed the gradient or the value of one copy only since the last "
-           "step. The usual cause is torch.nn.utils.clip_grad_norm_(model.parameters(), "
-           "...), which clips each rank's gradients by that rank's own norm; use "
+           "step. The usual cause is torch.nn.utils.clip_grad_norm_ on some of the "
+           "model's parameters, which clips each rank's gradients by that rank's own "
+           "norm; use "
            "model.clip_grad_norm_(max_norm) (or smp.clip_grad_norm_(model, max_norm)), "
            "which clips by the norm over every partition and keeps tied copies equal "
            "(rank {r})")
@@ -78,8 +83,10 @@ def test_local_clipping_of_a_tied_weight_is_named_within_one_step(ranks):
         assert "ERR " + MESSAGE.format(r=r.rank) + "\n" in r.stdout, r
 
 
-def test_global_clipping_keeps_tied_copies_equal_and_matches_the_plain_module(ranks):
-    res = ranks(SCRIPT, 2, args=("global",))
+@pytest.mark.parametrize("mode", ["global", "torch"])
+def test_global_clipping_keeps_tied_copies_equal_and_matches_the_plain_module(ranks, mode):
+    # "torch": torch.nn.utils.clip_grad_norm_(model.parameters()) is the global clip.
+    res = ranks(SCRIPT, 2, args=(mode,))
     losses = set()
     for r in res:
         assert "OK " in r.stdout, r

@@ -25,7 +25,8 @@ Runs, each in fresh processes:
 
 - `pp2xdp2_*`: an 8-layer model (~130M parameters) at pp=2 x dp=2 without and with
   `shard_optimizer_state`: per rank, the optimizer state held, the peak, and the ratio
-  peak / (S + activations) with S counting the optimizer share the rank really holds.
+  peak / (S + activations) with S counting the optimizer state and the gradients the
+  rank really keeps (with sharding, its share of both).
 
 One JSON line.
 
@@ -135,7 +136,8 @@ def rank_main(opts):
             loss = train(data[:, :-1], data[:, 1:]).reduce_mean()
             if opt is not None:
                 opt.step()
-                opt.zero_grad()
+                if step < 2:  # the last step's gradients are counted below
+                    opt.zero_grad()
     except MemoryError as e:
         if smp.rank() == 0:
             print("RESULT " + json.dumps({"error": str(e).splitlines()[0],
@@ -148,7 +150,9 @@ def rank_main(opts):
     if opt is not None:  # what the optimizer really holds (a share, when sharded)
         opt_mb = sum(t.numel() * t.element_size() for s in opt.state.values()
                      for t in s.values() if torch.is_tensor(t) and t.dim() > 0) / 2**20
-        state = held * 8 / 2**20 + opt_mb
+        # The gradients it keeps: all, or with sharding its share (Note [Reduce to owner]).
+        grads = sum(p.grad.numel() for p in model.local_parameters() if p.grad is not None)
+        state = (held + grads) * 4 / 2**20 + opt_mb
     act = tracker.peak / 2**20 if tracker is not None else 0.0
     rows = smp.allgather(dict(peak_mb=round(peak, 1), state_mb=round(state, 1),
                               optimizer_mb=round(opt_mb, 1) if opt is not None else 0.0,

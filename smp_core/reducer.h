@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -213,5 +214,38 @@ std::vector<std::vector<int64_t>> compute_bucket_assignment(
 void broadcast_coalesced(const ProcessGroupPtr& pg, const std::vector<at::Tensor>& tensors,
                          int root, size_t bucket_bytes = kDefaultBucketBytesCap,
                          double timeout_s = 300.0);
+
+// Broadcasts of tensor lists from their roots, issued without waiting so that they
+// run while the caller goes on (optimizer-state sharding: each rank's stepped share of
+// the parameters, round by round while the next round is stepped; Note [Sharded
+// optimizer state] in python/smp/optimizer_sharding.py). Every member issues the same
+// start() calls in the same order, with tensors of the same shapes. Each start()
+// chunks its tensors as broadcast_coalesced does; a chunk of one contiguous tensor is
+// broadcast in place, others through a flat copy written back by wait(). Not
+// thread-safe; the destructor waits for what is still in flight.
+class ShareExchange {
+ public:
+  ShareExchange(ProcessGroupPtr pg, size_t bucket_bytes = kDefaultBucketBytesCap,
+                double timeout_s = 300.0);
+  ~ShareExchange();
+  ShareExchange(const ShareExchange&) = delete;
+  ShareExchange& operator=(const ShareExchange&) = delete;
+
+  // Issues the broadcasts of `tensors` from group rank `root` into the current round.
+  void start(const std::vector<at::Tensor>& tensors, int root);
+  // Starts a new round.
+  void end_round();
+  // Waits for the oldest rounds until at most `leave` are in flight, writing each
+  // received chunk into its tensors. Throws TimeoutError / CommError naming the
+  // broadcast.
+  void wait(size_t leave = 0);
+
+ private:
+  struct Pending;
+  ProcessGroupPtr pg_;
+  size_t bucket_bytes_;
+  double timeout_s_;
+  std::deque<std::vector<Pending>> rounds_;
+};
 
 }  // namespace smp

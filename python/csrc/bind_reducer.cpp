@@ -531,6 +531,17 @@ void bind_reducer(py::module_& m) {
       .def("stats", [](const Reducer& r) { return stats_dict(r.stats()); })
       .def_property_readonly("process_group", &Reducer::process_group);
 
+  py::class_<ShareExchange>(m, "ShareExchange",
+      "Broadcasts of tensor lists from their roots, in flight while the caller goes on "
+      "(smp_core/reducer.h).")
+      .def(py::init([](const ProcessGroupPtr& pg, double bucket_cap_mb, double timeout_s) {
+             return std::make_unique<ShareExchange>(
+                 pg, static_cast<size_t>(std::max(bucket_cap_mb, 1e-6) * 1024 * 1024), timeout_s);
+           }),
+           py::arg("process_group"), py::arg("bucket_cap_mb") = 25.0, py::arg("timeout_s") = 300.0)
+      .def("start", &ShareExchange::start, py::arg("tensors"), py::arg("root"), release())
+      .def("end_round", &ShareExchange::end_round)
+      .def("wait", &ShareExchange::wait, py::arg("leave") = 0, release());
   m.def("broadcast_coalesced", [](const ProcessGroupPtr& pg, const std::vector<at::Tensor>& tensors,
                                   int root, double bucket_cap_mb) {
     double timeout = default_timeout();

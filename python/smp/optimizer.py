@@ -178,8 +178,8 @@ def _step(self, *args, **kwargs):
     [Automatic resume] in smp/auto_resume.py)."""
     if auto_resume.optimizer_step_skipped():
         return None
-    out = self._smp_orig_step(*args, **kwargs)
-    optimizer_sharding.after_step(self)  # Note [Sharded optimizer state]
+    # Note [Sharded optimizer state]: this rank's share, in rounds, exchanged as it goes.
+    out = optimizer_sharding.step(self, self._smp_orig_step, args, kwargs)
     return out
 
 

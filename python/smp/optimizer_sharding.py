@@ -12,9 +12,13 @@ parameter whole:
   .grad is None after the step's reduction, so a rank holds only its share of the
   gradients from then to the next backward;
 - each rank's optimizer keeps (and steps) only the parameters it was given;
-- after its step every rank sends the values of its own parameters to the others
-  (one coalesced broadcast per dp rank, in C++), so every replica again holds every
-  parameter.
+- its step runs round by round (each rank's share in runs of the bucket size), and
+  each round's stepped parameters go from their rank to the rest of the dp group while
+  the next round is stepped (C++ `ShareExchange`: the broadcasts are in flight while
+  the optimizer computes, at most two rounds at once), so every replica again holds
+  every parameter. Stepping a share in parts is the same computation: torch.optim's
+  optimizers keep their state (the step count included) per parameter, and their
+  step hooks run once per round.
 
 - Every torch.optim optimizer that updates each parameter from its own gradient and
   state works unchanged (SGD, Adam, AdamW, RMSprop, Adagrad, Adafactor, ...): a
@@ -113,13 +117,55 @@ class Shard:
                     p.grad.zero_()
         optimizer.zero_grad = zero_grad
 
-    def gather(self):
-        """Every rank's stepped parameters to every rank of the dp group (in C++)."""
-        group = core.get_dp_process_group()
-        with torch.no_grad():
-            for r, params in enumerate(self.by_rank):
-                if params:
-                    _C.broadcast_coalesced(group, params, r)
+    def rounds(self, cap_bytes):
+        """Round k: each rank's k-th run of its share (reducer order) of at most
+        `cap_bytes` (a larger parameter alone); the same on every rank."""
+        runs = []
+        for params in self.by_rank:
+            mine, size = [[]], 0
+            for p in params:
+                b = p.numel() * p.element_size()
+                if mine[-1] and size + b > cap_bytes:
+                    mine.append([])
+                    size = 0
+                mine[-1].append(p)
+                size += b
+            runs.append(mine if mine[-1] else [])
+        return [[r[k] if k < len(r) else [] for r in runs]
+                for k in range(max(len(r) for r in runs))]
+
+    def step(self, optimizer, own_step, closure=None, cap_bytes=25 << 20):
+        """The optimizer's step on this rank's share, round by round, each round's
+        parameters broadcast by their stepping rank while the next round is stepped
+        (at most two rounds in flight); returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        exchange = _C.ShareExchange(core.get_dp_process_group(), cap_bytes / 2**20,
+                                    core.state.cfg.timeout_s)
+        try:
+            for per_rank in self.rounds(cap_bytes):
+                now = {id(p) for p in per_rank[self.dp_rank]}
+                if now:
+                    try:
+                        for g, ps in zip(groups, saved):
+                            g["params"] = [p for p in ps if id(p) in now]
+                        own_step()
+                    finally:
+                        for g, ps in zip(groups, saved):
+                            g["params"] = ps
+                for r, ps in enumerate(per_rank):
+                    if ps:
+                        exchange.start(ps, r)
+                exchange.end_round()
+                exchange.wait(2)  # the round before the last is in place
+            exchange.wait(0)
+        finally:
+            del exchange  # waits for anything still in flight (after an error)
+        return loss
 
 
 def enabled():
@@ -164,7 +210,11 @@ def install(model, optimizer):
     optimizer._smp_shard.restrict(optimizer)
 
 
-def after_step(optimizer):
+def step(optimizer, own_step, args, kwargs):
+    """The optimizer's step (`own_step`, its own method): sharded, or as it is."""
     shard = of(optimizer)
-    if shard is not None:
-        shard.gather()
+    if shard is None:
+        return own_step(*args, **kwargs)
+    closure = kwargs.pop("closure", args[0] if args else None)
+    cap = int(getattr(core.state.model, "bucket_cap_mb", 25) * 2**20)
+    return shard.step(optimizer, own_step, closure, max(cap, 1))

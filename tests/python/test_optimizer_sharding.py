@@ -21,7 +21,7 @@ if opts.get("tied"):  # the first and the last but one layer share a weight
 else:
     net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                         nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-model = smp.DistributedModel(net)
+model = smp.DistributedModel(net, bucket_cap_mb=opts.get("cap_mb", 25))
 make = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
         "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}[opts["opt"]]
 opt = smp.DistributedOptimizer(make(net.parameters()))
@@ -113,6 +113,17 @@ def test_sharded_equals_unsharded(ranks, cfg, opt):
         assert max(s["held"]) < p["held"][0]
         assert sum(s["grads"]) == p["grads"][0], (s["grads"], p["grads"])
         assert max(s["grads"]) < p["grads"][0]
+
+
+def test_a_step_in_many_rounds_equals_unsharded(ranks):
+    # Buckets of 8 KiB: each rank's share is stepped and sent in several rounds, each
+    # in flight while the next is stepped (ShareExchange).
+    cfg = {"ddp": True, "partitions": 2}
+    plain = _run(ranks, 4, cfg, "adamw", cap_mb=1 / 128)
+    sharded = _run(ranks, 4, dict(cfg, shard_optimizer_state=True), "adamw", cap_mb=1 / 128)
+    for p, s in zip(plain, sharded):
+        _close(s["params"], p["params"], "params")
+        _close(s["opt"], p["opt"], "optimizer state")
 
 
 def test_sharded_tied_weights_across_partitions_equal_unsharded(ranks):

@@ -6,6 +6,10 @@
 #include <limits>
 #include <thread>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -108,6 +112,16 @@ ProcessEnv parse_process_env(const Vars& vars) {
 }
 
 }  // namespace
+
+bool set_malloc_mmap_threshold(size_t bytes) {
+#if defined(__GLIBC__)
+  if (bytes > static_cast<size_t>(std::numeric_limits<int>::max())) return false;
+  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) == 1;
+#else
+  (void)bytes;
+  return false;
+#endif
+}
 
 int env_int(const std::string& name, int def, const std::map<std::string, std::string>* vars) {
   Vars v(vars);

@@ -115,6 +115,9 @@ void bind_core(py::module_& m) {
   }, py::arg("vars") = py::none(),
         "Where this process sits, parsed from `vars` (a dict) or the process's environment. "
         "Raises smp.ConfigError naming the variable and its value.");
+  m.def("set_malloc_mmap_threshold", &set_malloc_mmap_threshold, py::arg("bytes"),
+        "Note [Fixed mmap threshold] (smp_core/runtime.h): glibc's mmap threshold, fixed "
+        "at `bytes`; False where not glibc.");
   m.def("env_int", [](const std::string& name, int def,
                       const std::optional<std::map<std::string, std::string>>& vars) {
     return env_int(name, def, vars ? &*vars : nullptr);

@@ -47,6 +47,22 @@ def _wait_for_listener(addr, port, timeout_s):
             pause = min(pause * 2, 0.05)
 
 
+def _fix_mmap_threshold():
+    """Note [Fixed mmap threshold] (smp_core/runtime.h): 4 MiB unless SMP_MMAP_THRESHOLD
+    (bytes; 0 keeps glibc's adaptive threshold) says otherwise, or the job set glibc's
+    own (MALLOC_MMAP_THRESHOLD_, or GLIBC_TUNABLES' glibc.malloc.mmap_threshold). Before the process groups, so that every thread smp
+    starts sees it."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or \
+            "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return
+    threshold = _C.env_int("SMP_MMAP_THRESHOLD", 4 << 20)
+    if threshold < 0:
+        raise _C.ConfigError(f"smp: environment SMP_MMAP_THRESHOLD={threshold} is not a number "
+                          "of bytes >= 0 (0: glibc's adaptive threshold)")
+    if threshold > 0:
+        _C.set_malloc_mmap_threshold(threshold)
+
+
 def init(config=None):
     """Initialises smp: config, process groups and rank layout.
 
@@ -61,6 +77,7 @@ def init(config=None):
     if state.initialized:
         return
     log.configure()  # SMP_LOG_LEVEL: a bad value fails here, before any rendezvous
+    _fix_mmap_threshold()
     raw = config_text(config)
     timeout_s = timeout_of(raw)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -231,3 +231,43 @@ print("SUM", t.item(), flush=True)
 """
     for r in ranks(script, 2):
         assert "SUM 2.0" in r.stdout and "AT_EXIT False" in r.stdout, r.stdout
+
+
+MMAP = r"""
+import os, sys
+os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)  # (the job's own would win)
+import torch
+import smp
+# Note [Fixed mmap threshold]: after a large block was freed, glibc's adaptive threshold
+# serves smaller ones from its heap, where they stay resident once freed while anything
+# allocated later sits above them. With the fixed threshold they are mapped and go.
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+try:
+    smp.init({})
+except smp.ConfigError as e:
+    print("ERROR", e)
+    sys.exit(0)
+big = torch.ones(30 << 18)  # 30 MiB: raises the adaptive threshold once freed
+del big
+before = rss()
+blocks = [torch.ones(6 << 18) for _ in range(16)]  # 96 MiB of 6 MiB blocks
+pins = [torch.ones(16) for _ in range(64)]         # small, allocated above them
+del blocks
+grown = (rss() - before) / 2**20
+print("KEPT", "%.0f" % grown, "MiB:", "freed" if grown < 32 else "resident")
+smp.shutdown()
+"""
+
+
+@pytest.mark.parametrize("setting,freed", [(None, True), ("0", False), ("-5", None)])
+def test_the_mmap_threshold_is_fixed_at_init(ranks, setting, freed):
+    env = {"SMP_MMAP_THRESHOLD": setting} if setting is not None else {}
+    (r,) = ranks(MMAP, 1, env=env)
+    if setting == "-5":
+        assert "ERROR smp: environment SMP_MMAP_THRESHOLD=-5 is not a number of bytes" in r.stdout
+    elif freed:
+        assert "freed" in r.stdout, r.stdout
+    else:  # glibc's adaptive threshold: the 6 MiB blocks stay resident in its heap
+        assert "resident" in r.stdout, r.stdout

@@ -145,6 +145,8 @@ def _load_state_dict(self, state_dict):
         return None
     sd = dict(state_dict)
     partial = bool(sd.pop(model_state.PARTIAL_KEY, False))
+    from smp.checkpoint._api import SHARDS_KEY
+    from_shards = bool(sd.pop(SHARDS_KEY, False))  # smp.save(..., v3=True)'s shares
     if not sd.pop(_BY_NAME, False):  # torch's positions: over every parameter
         sd = _to_names(self, sd, full=True)
     names = _param_names(self)
@@ -152,8 +154,9 @@ def _load_state_dict(self, state_dict):
     local = _local_ids()
     needed = [n for n, p in zip(names, params) if local is None or id(p) in local]
     state = dict(sd["state"])
-    if partial:  # a sharded optimizer's entries may be on any rank of the world
-        group = core.CommGroup.WORLD if optimizer_sharding.of(self) is not None else None
+    if partial or from_shards:  # a sharded optimizer's entries may be on any rank
+        group = (core.CommGroup.WORLD
+                 if from_shards or optimizer_sharding.of(self) is not None else None)
         got, _ = model_state.exchange(state, needed, group)
         state.update(got)
     saved_groups = sd["param_groups"]

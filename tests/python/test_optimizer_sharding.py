@@ -186,12 +186,17 @@ def test_the_full_state_reshards_to_another_dp_size(ranks, tmp_path):
     (4, {"partitions": 2, "shard_optimizer_state": True}),
 ], ids=["dp1", "dp4-sharded", "pp2xdp2-sharded"])
 def test_a_sharded_partial_checkpoint_resumes_at_another_layout(ranks, tmp_path, world, cfg):
-    # save_checkpoint(partial=True) writes each pp rank's whole optimizer state: the dp
-    # group's shares are gathered for it (local_state_dict(gather_if_shard=True)).
+    # save_checkpoint(partial=True) of a sharded optimizer: each rank writes its share
+    # (smp.save(..., v3=True)); any layout reads them back, each rank its round of files
+    # and the entries exchanged by name.
     d = str(tmp_path / "ckpt")
     want = _run(ranks, 2, {"ddp": True}, "sgd", steps=3)[0]
     _run(ranks, 2, {"ddp": True, "shard_optimizer_state": True}, "sgd", steps=2,
          checkpoint=d)
+    import os
+    files = sorted(os.listdir(os.path.join(d, "t_partial")))
+    assert "optimizer_0_0" in files and "optimizer_0_1" in files, files  # a share each
+    assert "optimizer_0" not in files, files                            # nothing gathered
     got = _run(ranks, world, dict(cfg, ddp=True), "sgd", steps=3, first=2, resume=d)
     params = {}
     for part in got:

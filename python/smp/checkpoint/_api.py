@@ -31,7 +31,10 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
             dp ranks skip the write, so they may call too) writes its part; the call is
             collective over the pp group. False: the calling rank writes `f` alone.
         pickle_module, pickle_protocol: as torch.save.
-        v3: accepted for SMP 1.10 compatibility (tensor parallelism is not sharded here).
+        v3: with partial=True, every rank writes its own shard `f"{f}_{pp_rank}_{dp_rank}"`
+            (SMP 1.10's layout for state sharded over dp, e.g. a sharded optimizer's
+            `local_state_dict(gather_if_shard=False)`); collective over the world.
+            smp.load(f, partial=True) reads such shards back.
 
     Raises:
         CheckpointError: a part could not be written (raised on every rank of the group);
@@ -47,6 +50,9 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
     obj = _hook_state.strip(obj)
     _, _, dp_rank, _, _ = topology()
     missing = _missing_directory("save", path)
+    if partial and v3:  # every rank writes (the world agrees on `missing` too)
+        _commit.write_shard(obj, path, missing, pickle_module, pickle_protocol)
+        return
     if missing and (not partial or dp_rank != 0):
         raise CheckpointError(missing)  # the writers below agree on it first
     if not partial:
@@ -95,6 +101,33 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
     if not partial:
         return _hook_state.rebind(_read.read_full(path, map_location, pickle_module,
                                                   weights_only, pickle_load_args))
-    pp_rank, pp_size, _, _, _ = topology()
+    pp_rank, pp_size, _, _, world = topology()
+    if _read.shard_files(path) and not os.path.exists(f"{path}_0"):
+        # smp.save(..., v3=True)'s shards: each rank reads its round of them, and the
+        # entries they hold are merged (state by name: an optimizer's shares).
+        rank = core.rank() if core.is_initialized() else 0
+        objs = _read.read_shards(path, rank, world, map_location, pickle_module,
+                                 weights_only, pickle_load_args)
+        return _hook_state.rebind(_merge_shards(objs))
     return _hook_state.rebind(_read.read_parts(path, pp_rank, pp_size, map_location,
                                                pickle_module, weights_only, pickle_load_args))
+
+
+SHARDS_KEY = "_smp_from_shards"  # entries of this dict may be on any rank of the world
+
+
+def _merge_shards(objs):
+    """One dict from the shards a rank read: dicts merge key by key ("state" entries
+    by name), anything else is the first shard's."""
+    first = objs[0]
+    if not isinstance(first, dict):
+        return first
+    out = dict(first)
+    for o in objs[1:]:
+        for k, v in o.items():
+            if isinstance(v, dict) and isinstance(out.get(k), dict):
+                out[k] = {**out[k], **v}
+            else:
+                out.setdefault(k, v)
+    out[SHARDS_KEY] = True
+    return out

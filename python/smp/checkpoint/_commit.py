@@ -92,3 +92,35 @@ def write_part(obj, path, missing, pickle_module, pickle_protocol):
     crash_point("after_rename")
     agree(err, "every part renamed")
     _C.checkpoint_drop_previous(final)
+
+
+def write_shard(obj, path, missing, pickle_module, pickle_protocol):
+    """This rank's shard `f"{path}_{pp_rank}_{dp_rank}"` (smp.save(..., v3=True): every
+    rank writes its own, e.g. its share of a sharded optimizer's state); collective over
+    the world, with the same two phases as write_part."""
+    pp_rank, _, dp_rank, dp_size, world = topology()
+    save_id, t_ns = (random.getrandbits(63), time.time_ns())
+    rank = core.rank() if core.is_initialized() else 0
+    if world > 1:
+        save_id, t_ns = core.allgather((save_id, t_ns), core.CommGroup.WORLD)[0]
+    final = f"{path}_{pp_rank}_{dp_rank}"
+    tmp, err = None, missing
+    try:
+        if err is None:
+            tmp = write_sealed(obj, final, manifest(True, rank, world, save_id, t_ns),
+                               pickle_module, pickle_protocol)
+    except Exception as e:  # noqa: BLE001  (reported on every rank below)
+        err = f"smp.save: writing '{final}' failed on rank {rank}: {e}"
+    try:
+        agree(err, "every shard sealed before any is renamed", world=True)
+    except CheckpointError:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    err = None
+    try:
+        _C.checkpoint_publish(tmp, final, True)
+    except Exception as e:  # noqa: BLE001
+        err = f"smp.save: renaming '{final}' failed on rank {rank}: {e}"
+    agree(err, "every shard renamed", world=True)
+    _C.checkpoint_drop_previous(final)

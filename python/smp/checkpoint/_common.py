@@ -29,20 +29,25 @@ def topology():
     return 0, 1, 0, 1, 1
 
 
-def agree(error, what):
-    """Raises on every pp-group member the first member's `error` (a str, or None).
+def agree(error, what, world=False):
+    """Raises on every member of the pp group (`world`: of the world) the first
+    member's `error` (a str, or None).
 
     `what` names the agreement point for readers of this code, not for users: the
-    message is the error itself, plus which pp ranks hit it when not all of them did
+    message is the error itself, plus which ranks hit it when not all of them did
     (the same text on every rank).
     """
+    label = "rank" if world else "pp rank"
+
+    def verdict(failures, size):
+        _, _, msg = failures[0]
+        same = [r for r, _, text in failures if text == msg]
+        if len(same) < size:
+            msg = f"{msg} ({label}{'s' if len(same) > 1 else ''} {', '.join(map(str, same))})"
+        return CheckpointError(msg)
+    if world and not core.is_initialized():
+        if error is not None:
+            raise CheckpointError(error)
+        return
     agreement.agree(None if error is None else CheckpointError(error),
-                    core.CommGroup.PP_GROUP, _verdict)
-
-
-def _verdict(failures, size):
-    _, _, msg = failures[0]
-    same = [r for r, _, text in failures if text == msg]
-    if len(same) < size:
-        msg = f"{msg} (pp rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))})"
-    return CheckpointError(msg)
+                    core.CommGroup.WORLD if world else core.CommGroup.PP_GROUP, verdict)

@@ -107,3 +107,37 @@ def read_parts(path, pp_rank, pp_size, map_location, pickle_module, weights_only
         err = str(e)
     agree(err, "unpickling the partial checkpoint")
     return merge(objs)
+
+
+def shard_files(path):
+    """The shards `f"{path}_{pp}_{dp}"` smp.save(..., v3=True) wrote, in (pp, dp) order."""
+    import re
+    d, base = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(base) + r"_(\d+)_(\d+)$")
+    found = []
+    for name in os.listdir(d) if os.path.isdir(d) else ():
+        m = pattern.match(name)
+        if m:
+            found.append((int(m.group(1)), int(m.group(2)), os.path.join(d, name)))
+    return [f for _, _, f in sorted(found)]
+
+
+def read_shards(path, rank, world, map_location, pickle_module, weights_only,
+                pickle_load_args):
+    """The shards this rank reads: every `world`-th from `rank` (so that together the
+    ranks read each once, whatever the saving job's layout), and the first one (each
+    rank needs something to merge into); collective over the world (the verdict)."""
+    files = shard_files(path)
+    objs, err = [], None
+    if not files:
+        err = f"smp: no shards '{path}_<pp>_<dp>' (smp.save(..., v3=True)) exist"
+    else:
+        mine = sorted(set(range(rank, len(files), world)) | {0})
+        try:
+            for i in mine:
+                objs.append(read_full(files[i], map_location, pickle_module, weights_only,
+                                      pickle_load_args))
+        except Exception as e:  # noqa: BLE001  (reported on every rank below)
+            err = str(e)
+    agree(err, "every rank read its shards", world=True)
+    return objs

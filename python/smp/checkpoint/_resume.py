@@ -3,7 +3,8 @@ smp.save files (model, optimizer, user content) and a `newest` file naming the t
 import os
 import shutil
 
-from smp import _C, auto_resume, core
+from smp import _C, auto_resume, core, log, optimizer_sharding
+from smp.checkpoint import _read
 from smp.checkpoint._api import load, save
 from smp.checkpoint._common import CheckpointError, check_bool, check_path
 
@@ -55,7 +56,13 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
         if model is not None:
             save(model.local_state_dict(), os.path.join(d, "model"), partial=True)
         if optimizer is not None:
-            save(optimizer.local_state_dict(), os.path.join(d, "optimizer"), partial=True)
+            if optimizer_sharding.of(optimizer) is not None:
+                # Note [Sharded optimizer state]: each rank writes its own share
+                # (`optimizer_{pp}_{dp}`), nothing gathered; any layout reads them.
+                save(optimizer.local_state_dict(gather_if_shard=False),
+                     os.path.join(d, "optimizer"), partial=True, v3=True)
+            else:
+                save(optimizer.local_state_dict(), os.path.join(d, "optimizer"), partial=True)
         save({"user_content": user_content, "tag": tag}, os.path.join(d, "user_content"),
              partial=True)
         auto_resume.save_progress(path, tag, partial=True)
@@ -135,7 +142,17 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
                 sd = translate_function(sd)
             model.load_state_dict(sd, strict=strict)
         if optimizer is not None and load_optimizer:
-            optimizer.load_state_dict(load(os.path.join(d, "optimizer"), partial=True))
+            opt_path = os.path.join(d, "optimizer")
+            if not os.path.exists(opt_path + "_0") and _read.shard_files(opt_path):
+                if load_sharded_optimizer_state:  # a sharded optimizer's shares
+                    optimizer.load_state_dict(load(opt_path, partial=True))
+                else:
+                    log.get_logger().warning(
+                        "smp: resume_from_checkpoint(load_sharded_optimizer_state=False): "
+                        "'%s' holds a sharded optimizer state (shares '%s_<pp>_<dp>'); "
+                        "the optimizer starts fresh", d, opt_path)
+            else:
+                optimizer.load_state_dict(load(opt_path, partial=True))
         return content.get("user_content") if isinstance(content, dict) else content
     sd = load(os.path.join(path, tag), partial=False)
     if translate_function is not None:

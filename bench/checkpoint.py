@@ -290,7 +290,7 @@ def worker_reshard(args):
 def launch(args, d, nproc, extra):
     # Note [Fixed mmap threshold] (smp_core/runtime.h): smp's default, on both sides.
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MALLOC_MMAP_THRESHOLD_="4194304",
+               MALLOC_MMAP_THRESHOLD_="4194304", MALLOC_TRIM_THRESHOLD_="16777216",
                SMP_PYTHON=sys.executable)
     cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", str(nproc), __file__,
            "--rounds", str(args.rounds), "--dir", d] + extra

@@ -104,7 +104,7 @@ def main():
         return worker(args)
     # Note [Fixed mmap threshold] (smp_core/runtime.h): smp's default, on both sides.
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MALLOC_MMAP_THRESHOLD_="4194304",
+               MALLOC_MMAP_THRESHOLD_="4194304", MALLOC_TRIM_THRESHOLD_="16777216",
                SMP_PYTHON=sys.executable)  # the ranks run on this interpreter's torch
     cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", "2", __file__,
            "--rounds", str(args.rounds), "--steps", str(args.steps),

@@ -246,7 +246,7 @@ def reference_work_ms(net, model, steps):
 # trimmed from the heap and faulted back in on the next step. Microbatch-sized tensors
 # stay below that threshold, so the default allocator handicaps the baseline, not smp.
 # The benchmark therefore measures everything twice, with smp's default allocator
-# setting (a fixed 4 MiB mmap threshold, Note [Fixed mmap threshold] in
+# setting (fixed 4 MiB mmap and 16 MiB trim thresholds, Note [Fixed mmap threshold] in
 # smp_core/runtime.h, given to the torch peer too) and with this tuning (no trimming, no mmap below 32 MiB) applied to BOTH sides alike.
 TUNED_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 MALLOC = {"default": None, "tuned": TUNED_MALLOC}
@@ -257,10 +257,12 @@ def _python_env(malloc=None):
     env["PYTHONPATH"] = os.path.join(BUILD, "python") + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("GLIBC_TUNABLES", None)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env.pop("MALLOC_TRIM_THRESHOLD_", None)
     if malloc:
         env["GLIBC_TUNABLES"] = malloc
     else:  # Note [Fixed mmap threshold] (smp_core/runtime.h): smp's default, both sides
         env["MALLOC_MMAP_THRESHOLD_"] = "4194304"
+        env["MALLOC_TRIM_THRESHOLD_"] = "16777216"
     return env
 
 

@@ -1,5 +1,6 @@
 #include "smp_core/runtime.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
@@ -116,7 +117,9 @@ ProcessEnv parse_process_env(const Vars& vars) {
 bool set_malloc_mmap_threshold(size_t bytes) {
 #if defined(__GLIBC__)
   if (bytes > static_cast<size_t>(std::numeric_limits<int>::max())) return false;
-  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) == 1;
+  const size_t trim = std::min<size_t>(4 * bytes, std::numeric_limits<int>::max());
+  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) == 1 &&
+         mallopt(M_TRIM_THRESHOLD, static_cast<int>(trim)) == 1;
 #else
   (void)bytes;
   return false;

@@ -64,20 +64,38 @@ def write_part(obj, path, missing, pickle_module, pickle_protocol):
     pp group (dp rank 0's). `missing`: the error to agree on instead of writing (the
     directory does not exist), or None."""
     pp_rank, pp_size, _, _, _ = topology()
+    _two_phases(obj, f"{path}_{pp_rank}", pp_rank, pp_size, f"pp rank {pp_rank}", False,
+                missing, pickle_module, pickle_protocol)
+
+
+def write_shard(obj, path, missing, pickle_module, pickle_protocol):
+    """This rank's shard `f"{path}_{pp_rank}_{dp_rank}"` (smp.save(..., v3=True): every
+    rank writes its own, e.g. its share of a sharded optimizer's state); collective over
+    the world, with the same two phases as write_part."""
+    pp_rank, _, dp_rank, _, world = topology()
+    rank = core.rank() if core.is_initialized() else 0
+    _two_phases(obj, f"{path}_{pp_rank}_{dp_rank}", rank, world, f"rank {rank}", True,
+                missing, pickle_module, pickle_protocol)
+
+
+def _two_phases(obj, final, part, parts, who, world, missing, pickle_module, pickle_protocol):
+    """Writes part `part` of `parts` as `final`: sealed under a temporary name, the
+    group (the pp group, or with `world` the world) agrees that every part was, each is
+    renamed, and the group agrees that every rename succeeded."""
     save_id, t_ns = (random.getrandbits(63), time.time_ns())
-    if pp_size > 1:
-        save_id, t_ns = core.allgather((save_id, t_ns), core.CommGroup.PP_GROUP)[0]
-    final = f"{path}_{pp_rank}"
+    if parts > 1:
+        group = core.CommGroup.WORLD if world else core.CommGroup.PP_GROUP
+        save_id, t_ns = core.allgather((save_id, t_ns), group)[0]
     tmp, err = None, missing
     try:
         if err is None:
-            tmp = write_sealed(obj, final, manifest(True, pp_rank, pp_size, save_id, t_ns),
+            tmp = write_sealed(obj, final, manifest(True, part, parts, save_id, t_ns),
                                pickle_module, pickle_protocol)
     except Exception as e:  # noqa: BLE001  (reported on every rank below)
-        err = f"smp.save: writing '{final}' failed on pp rank {pp_rank}: {e}"
+        err = f"smp.save: writing '{final}' failed on {who}: {e}"
     crash_point("after_seal")
     try:
-        agree(err, "every part sealed before any is renamed")
+        agree(err, "every part sealed before any is renamed", world=world)
     except CheckpointError:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -88,39 +106,7 @@ def write_part(obj, path, missing, pickle_module, pickle_protocol):
     try:
         _C.checkpoint_publish(tmp, final, True)
     except Exception as e:  # noqa: BLE001
-        err = f"smp.save: renaming '{final}' failed on pp rank {pp_rank}: {e}"
+        err = f"smp.save: renaming '{final}' failed on {who}: {e}"
     crash_point("after_rename")
-    agree(err, "every part renamed")
-    _C.checkpoint_drop_previous(final)
-
-
-def write_shard(obj, path, missing, pickle_module, pickle_protocol):
-    """This rank's shard `f"{path}_{pp_rank}_{dp_rank}"` (smp.save(..., v3=True): every
-    rank writes its own, e.g. its share of a sharded optimizer's state); collective over
-    the world, with the same two phases as write_part."""
-    pp_rank, _, dp_rank, dp_size, world = topology()
-    save_id, t_ns = (random.getrandbits(63), time.time_ns())
-    rank = core.rank() if core.is_initialized() else 0
-    if world > 1:
-        save_id, t_ns = core.allgather((save_id, t_ns), core.CommGroup.WORLD)[0]
-    final = f"{path}_{pp_rank}_{dp_rank}"
-    tmp, err = None, missing
-    try:
-        if err is None:
-            tmp = write_sealed(obj, final, manifest(True, rank, world, save_id, t_ns),
-                               pickle_module, pickle_protocol)
-    except Exception as e:  # noqa: BLE001  (reported on every rank below)
-        err = f"smp.save: writing '{final}' failed on rank {rank}: {e}"
-    try:
-        agree(err, "every shard sealed before any is renamed", world=True)
-    except CheckpointError:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    err = None
-    try:
-        _C.checkpoint_publish(tmp, final, True)
-    except Exception as e:  # noqa: BLE001
-        err = f"smp.save: renaming '{final}' failed on rank {rank}: {e}"
-    agree(err, "every shard renamed", world=True)
+    agree(err, "every part renamed", world=world)
     _C.checkpoint_drop_previous(final)

@@ -379,7 +379,7 @@ def test_torch_1_13_names_the_version_it_needs():
             pass
 
 
-@pytest.mark.skipif(not hasattr(torch, "Tag"), reason="needs torch >= 2.0")
+@needs_torch_2
 def test_a_recording_lives_exactly_as_long_as_its_storages():
     # Note [Recording's lifetime]: a recording (and any real tensor its operations copied
     # from) is dropped once no tensor uses its storages any more.

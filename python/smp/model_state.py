@@ -16,6 +16,9 @@ from smp import core
 __all__ = []
 
 PARTIAL_KEY = "_smp_is_partial"
+# smp.load of smp.save(..., v3=True) shards: entries of the dict may be on any rank of
+# the world (checkpoint/_api.py).
+SHARDS_KEY = "_smp_from_shards"
 
 
 def exchange(have, needed, group=None):

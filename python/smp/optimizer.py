@@ -145,8 +145,7 @@ def _load_state_dict(self, state_dict):
         return None
     sd = dict(state_dict)
     partial = bool(sd.pop(model_state.PARTIAL_KEY, False))
-    from smp.checkpoint._api import SHARDS_KEY
-    from_shards = bool(sd.pop(SHARDS_KEY, False))  # smp.save(..., v3=True)'s shares
+    from_shards = bool(sd.pop(model_state.SHARDS_KEY, False))  # smp.save(..., v3=True)'s shares
     if not sd.pop(_BY_NAME, False):  # torch's positions: over every parameter
         sd = _to_names(self, sd, full=True)
     names = _param_names(self)

@@ -4,6 +4,7 @@ import os
 import pickle
 
 from smp import core
+from smp.model_state import SHARDS_KEY
 from smp.checkpoint import _commit, _hook_state, _read, _torch_load
 from smp.checkpoint._common import CheckpointError, check_bool, check_path, topology
 
@@ -102,7 +103,7 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
         return _hook_state.rebind(_read.read_full(path, map_location, pickle_module,
                                                   weights_only, pickle_load_args))
     pp_rank, pp_size, _, _, world = topology()
-    if _read.shard_files(path) and not os.path.exists(f"{path}_0"):
+    if _read.has_shards(path):
         # smp.save(..., v3=True)'s shards: each rank reads its round of them, and the
         # entries they hold are merged (state by name: an optimizer's shares).
         rank = core.rank() if core.is_initialized() else 0
@@ -112,8 +113,6 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
     return _hook_state.rebind(_read.read_parts(path, pp_rank, pp_size, map_location,
                                                pickle_module, weights_only, pickle_load_args))
 
-
-SHARDS_KEY = "_smp_from_shards"  # entries of this dict may be on any rank of the world
 
 
 def _merge_shards(objs):
@@ -129,5 +128,5 @@ def _merge_shards(objs):
                 out[k] = {**out[k], **v}
             else:
                 out.setdefault(k, v)
-    out[SHARDS_KEY] = True
+    out[SHARDS_KEY] = True  # entries may be on any rank of the world
     return out

@@ -122,6 +122,11 @@ def shard_files(path):
     return [f for _, _, f in sorted(found)]
 
 
+def has_shards(path):
+    """Whether `path` names smp.save(..., v3=True) shards (and no pp parts)."""
+    return not os.path.exists(f"{path}_0") and bool(shard_files(path))
+
+
 def read_shards(path, rank, world, map_location, pickle_module, weights_only,
                 pickle_load_args):
     """The shards this rank reads: every `world`-th from `rank` (so that together the

@@ -143,16 +143,14 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
             model.load_state_dict(sd, strict=strict)
         if optimizer is not None and load_optimizer:
             opt_path = os.path.join(d, "optimizer")
-            if not os.path.exists(opt_path + "_0") and _read.shard_files(opt_path):
-                if load_sharded_optimizer_state:  # a sharded optimizer's shares
-                    optimizer.load_state_dict(load(opt_path, partial=True))
-                else:
-                    log.get_logger().warning(
-                        "smp: resume_from_checkpoint(load_sharded_optimizer_state=False): "
-                        "'%s' holds a sharded optimizer state (shares '%s_<pp>_<dp>'); "
-                        "the optimizer starts fresh", d, opt_path)
-            else:
+            # A sharded optimizer's shares (`optimizer_{pp}_{dp}`) load like parts.
+            if load_sharded_optimizer_state or not _read.has_shards(opt_path):
                 optimizer.load_state_dict(load(opt_path, partial=True))
+            else:
+                log.get_logger().warning(
+                    "smp: resume_from_checkpoint(load_sharded_optimizer_state=False): "
+                    "'%s' holds a sharded optimizer state (shares '%s_<pp>_<dp>'); "
+                    "the optimizer starts fresh", d, opt_path)
         return content.get("user_content") if isinstance(content, dict) else content
     sd = load(os.path.join(path, tag), partial=False)
     if translate_function is not None:

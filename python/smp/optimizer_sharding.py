@@ -68,6 +68,7 @@ class Shard:
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self._replicated = {id(p) for p in replicated}
         self._order = list(params)
+        self._rounds = {}  # cap_bytes -> rounds(cap_bytes): the shares never change
         self.by_rank = [[] for _ in range(dp_size)]
         load = [0] * dp_size
         order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
@@ -120,6 +121,8 @@ class Shard:
     def rounds(self, cap_bytes):
         """Round k: each rank's k-th run of its share (reducer order) of at most
         `cap_bytes` (a larger parameter alone); the same on every rank."""
+        if cap_bytes in self._rounds:
+            return self._rounds[cap_bytes]
         runs = []
         for params in self.by_rank:
             mine, size = [[]], 0
@@ -131,8 +134,10 @@ class Shard:
                 mine[-1].append(p)
                 size += b
             runs.append(mine if mine[-1] else [])
-        return [[r[k] if k < len(r) else [] for r in runs]
-                for k in range(max(len(r) for r in runs))]
+        rounds = [[r[k] if k < len(r) else [] for r in runs]
+                  for k in range(max(len(r) for r in runs))]
+        self._rounds[cap_bytes] = rounds
+        return rounds
 
     def step(self, optimizer, own_step, closure=None, cap_bytes=25 << 20):
         """The optimizer's step on this rank's share, round by round, each round's

@@ -89,11 +89,12 @@ ShareExchange::ShareExchange(ProcessGroupPtr pg, size_t bucket_bytes, double tim
     : pg_(std::move(pg)), bucket_bytes_(bucket_bytes), timeout_s_(timeout_s) {}
 
 ShareExchange::~ShareExchange() {
-  // Never leave a broadcast reading or writing memory that goes away: wait, quietly.
+  // Never leave a broadcast reading or writing memory that goes away: wait (bounded,
+  // as every wait), quietly: the caller is already raising.
   for (auto& round : rounds_)
     for (auto& p : round) {
       try {
-        if (p.work) p.work->wait();
+        if (p.work) wait_work(p.work, timeout_s_, p.what);
       } catch (...) {
       }
     }

@@ -40,10 +40,12 @@ deb-deps:
 	else echo "smp: all Debian packages present"; fi
 
 # The environment is (re)built when requirements.txt changes; a half-built one (an
-# interrupted pip) has no stamp and is retried.
+# interrupted pip) has no stamp and is retried. --no-cache-dir: the CUDA build of torch
+# and its nvidia-* wheels are ~3 GB; a cached copy beside the 5.4 GB install doubles the
+# disk a fresh machine needs, and CI starts without a cache anyway.
 $(VENV_STAMP): requirements.txt | deb-deps
 	@[ -x $(VENV)/bin/python ] || /usr/bin/python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir -r requirements.txt
 	@cp requirements.txt $@
 
 ifeq ($(TORCH),debian)

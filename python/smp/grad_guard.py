@@ -1,24 +1,17 @@
 """Unreduced gradients under ddp: a gradient that reaches a parameter outside smp's
 backward is never reduced across the replicas, which then drift apart silently.
 
-Note [Unreduced gradients]: with ddp and more than one replica, each of the model's
-parameters gets a hook on its gradient accumulator (torch's AccumulateGrad node, the
-node DDP hooks too, so `torch.autograd.grad` and gradients of non-leaf tensors do not
-fire it). A gradient is expected only while smp runs a backward:
-- inside `model.backward()` (any microbatch's, on any thread);
-- on a pipeline rank other than the driver (pp rank > 0), while it serves a step: its
-  backward work is the driver's `model.backward()` reaching it.
-Anything else is `loss.backward()` (inside or outside `@smp.step`) or
-`torch.autograd.backward` on the model's outputs, and raises UnreducedGradientError
-from inside that backward, before the optimizer can apply the gradient. Every rank of
-a ddp job runs the same code, so every rank raises. Cost: one Python call per
-parameter per backward (a counter and a bool read).
+The guard itself is C++ (Note [Unreduced gradients] in smp_core/grad_guard.cpp): a post
+hook on each parameter's gradient accumulator, which reads two flags, so a backward
+(served in C++ on a pipeline rank, or run by torch on a task thread) takes no GIL for
+it. A gradient is expected only inside `model.backward()` (`with guard:`) or, on a pipeline
+rank that serves the driver's requests (pp rank > 0), while the model is inside a step
+(`guard.in_step`). Anything else is `loss.backward()` (inside or outside `@smp.step`) or
+`torch.autograd.backward` on the model's outputs, and raises UnreducedGradientError from
+inside that backward, before the optimizer can apply the gradient. This module keeps
+the error's text.
 """
-import threading
-
-import torch
-
-from smp import core
+from smp import _C, core
 
 __all__ = []
 
@@ -27,63 +20,49 @@ class UnreducedGradientError(RuntimeError):
     """A gradient reached a parameter outside model.backward() under ddp."""
 
 
+def _raise(name, in_step):
+    """Raises the error of parameter `name`'s unguarded gradient (the C++ hook's call)."""
+    dp = core.dp_size()
+    if in_step:
+        what = ("inside an @smp.step function by loss.backward() (or "
+                "torch.autograd.backward)")
+        fix = "call model.backward(loss) there instead of loss.backward()"
+    else:
+        what = "outside @smp.step (by loss.backward() or torch.autograd.backward)"
+        fix = ("run the forward and the backward inside an @smp.step function and "
+               "call model.backward(loss) there")
+    raise UnreducedGradientError(
+        f"smp: the gradient of parameter '{name}' was computed {what}; with 'ddp': "
+        f"true it would not be reduced across the {dp} model replicas, which would "
+        f"drift apart. To fix: {fix} (rank {core.rank()})")
+
+
 class GradGuard:
     """Hooks the gradient accumulators of `named_params` (name, Parameter) of a model.
 
-    The guard is a context manager around smp's own backward; `in_step()` (whether the
-    model is inside a step) and the rank's pp position tell the rest (Note [Unreduced
-    gradients]).
+    A context manager around smp's own backward; `in_step` says whether the model is
+    inside a step (the model sets it as its step begins and ends).
     """
 
-    def __init__(self, in_step, named_params):
-        self._in_step = in_step
-        self._depth = 0
-        self._lock = threading.Lock()
-        self._nodes = []  # AccumulateGrad nodes: the tensor holds its node weakly
-        self._handles = []
-        with torch.enable_grad():
-            for name, p in named_params:
-                if not p.requires_grad:
-                    continue
-                node = p.view_as(p).grad_fn.next_functions[0][0]
-                self._nodes.append(node)
-                self._handles.append(node.register_hook(self._make_hook(name)))
+    def __init__(self, named_params):
+        serving = core.pp_size() > 1 and core.pp_rank() > 0
+        self._guard = _C.GradGuard(list(named_params), serving, _raise)
 
-    def _make_hook(self, name):
-        def hook(_grad_inputs, _grad_outputs):
-            if self._depth == 0 and not self._serving():
-                self._raise(name)
-        return hook
+    @property
+    def in_step(self):
+        return self._guard.in_step
 
-    def _serving(self):
-        return self._in_step() and core.pp_size() > 1 and core.pp_rank() > 0
-
-    def _raise(self, name):
-        dp = core.dp_size()
-        if self._in_step():
-            what = ("inside an @smp.step function by loss.backward() (or "
-                    "torch.autograd.backward)")
-            fix = "call model.backward(loss) there instead of loss.backward()"
-        else:
-            what = "outside @smp.step (by loss.backward() or torch.autograd.backward)"
-            fix = ("run the forward and the backward inside an @smp.step function and "
-                   "call model.backward(loss) there")
-        raise UnreducedGradientError(
-            f"smp: the gradient of parameter '{name}' was computed {what}; with 'ddp': "
-            f"true it would not be reduced across the {dp} model replicas, which would "
-            f"drift apart. To fix: {fix} (rank {core.rank()})")
+    @in_step.setter
+    def in_step(self, value):
+        self._guard.in_step = bool(value)
 
     def __enter__(self):
         """`with guard:` around smp's own backward: gradients arriving inside are smp's."""
-        with self._lock:
-            self._depth += 1
+        self._guard.enter()
 
     def __exit__(self, *exc):
-        with self._lock:
-            self._depth -= 1
+        self._guard.exit()
         return False
 
     def remove(self):
-        for h in self._handles:
-            h.remove()
-        self._handles, self._nodes = [], []
+        self._guard.remove()

@@ -114,7 +114,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self._post_partition_hooks = {}
         self._post_step_hooks = {}
         self._steps = 0
-        self._in_step = False
+        self._in_step_flag = False     # inside @smp.step (read and set as _in_step)
         self._sync_backward = False
         self._synced_this_step = False
         self.pipeline = None        # PipelinePart (partitions > 1, after partitioning)
@@ -137,8 +137,19 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
     def _guard_gradients(self):
         # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp raises.
         if self.replica.reduces:
-            self._grad_guard = grad_guard.GradGuard(lambda: self._in_step,
-                                                    self.module.named_parameters())
+            self._grad_guard = grad_guard.GradGuard(self.module.named_parameters())
+            self._grad_guard.in_step = self._in_step_flag
+
+    @property
+    def _in_step(self):
+        return self._in_step_flag
+
+    @_in_step.setter
+    def _in_step(self, value):
+        # The gradient guard reads it in C++, from autograd's threads (smp/grad_guard.py).
+        self._in_step_flag = value
+        if self._grad_guard is not None:
+            self._grad_guard.in_step = value
 
     # --- wrapper plumbing -------------------------------------------------------------
 

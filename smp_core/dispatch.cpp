@@ -219,6 +219,9 @@ struct Dispatcher::Impl {
   std::function<void()> arm;
   std::atomic<bool> arm_done{true};  // no arm pending (the fast path of every gate)
   bool arm_ran = false;
+  // Note [Step's finish]: set by finish_at_step_end(), taken by run_finish().
+  std::function<void(bool)> finish;
+  std::atomic<bool> finish_began{false};
 
   Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp, ErrorEncoder e)
       : p2p(std::move(p)), schedule(std::move(s)), handler(std::move(h)), spawn(std::move(sp)),
@@ -427,6 +430,30 @@ struct Dispatcher::Impl {
       }
     }
     return text;
+  }
+
+  // Note [Step's finish]
+  // ~~~~~~~~~~~~~~~~~~~~
+  // What a synchronized step does after its last backward, on every pp rank, belongs
+  // to the step's owner: the tied gradients' sum over their holders (Note [Tied
+  // gradient sum]), then the dp reducer's finalize (buckets not yet launched go, the
+  // reduced gradients are written back). The driver runs it right after sending the
+  // step's end, a serving rank as soon as it arrives, so every rank's reduction starts
+  // at once, in C++, with the GIL released: a Python comm hook takes it on the
+  // reducer's comm thread. Whether a backward ran comes with the step's end (each
+  // microbatch's share says so in its call id; the combined end carries the OR), so
+  // a rank with no backward work of its own still takes part. A failed or aborted step
+  // never runs it: the caller restores the tied gradients and tells the other replicas
+  // (Replica.fail_step).
+  void run_finish(bool backward) {
+    std::function<void(bool)> fn;
+    {
+      std::lock_guard<std::mutex> lock(arm_mu);
+      fn.swap(finish);
+    }
+    if (!fn) return;
+    finish_began.store(true, std::memory_order_release);
+    fn(backward);
   }
 
   // Note [Arming at the first backward]: runs the step's arm unless it ran.
@@ -1263,16 +1290,20 @@ bool Dispatcher::drive_step(MicrobatchStepFn run) {
   std::vector<int64_t> header{static_cast<int64_t>(parts.size())};
   Message end;
   end.kind = kStepEnd;
+  bool backward = false;  // Note [Step's finish]: a part's call id 1 says a backward ran
   for (const Message& p : parts) {
     header.push_back(static_cast<int64_t>(p.meta.size()));
     header.push_back(static_cast<int64_t>(p.tensors.size()));
+    backward = backward || p.call_id != 0;
   }
+  end.call_id = backward ? 1 : 0;
   end.meta = encode_ints(header);
   for (Message& p : parts) {
     end.meta += p.meta;
     for (at::Tensor& t : p.tensors) end.tensors.push_back(std::move(t));
   }
   tell_pp_ranks(std::move(end));
+  I.run_finish(backward);
   return true;
 }
 
@@ -1342,10 +1373,15 @@ Message Dispatcher::serve_step() {
   I.join();
   I.drop_kept();
   if (I.ordering && I.end.kind == kStepEnd && !I.error) I.record_units();
-  std::lock_guard<std::mutex> lock(I.mu);
-  if (I.error) std::rethrow_exception(I.error);  // this rank's own failure: the cause
-  SMP_CHECK(I.end.kind != 0, "serving stopped without the step's end");
-  return std::move(I.end);
+  Message end;
+  {
+    std::lock_guard<std::mutex> lock(I.mu);
+    if (I.error) std::rethrow_exception(I.error);  // this rank's own failure: the cause
+    SMP_CHECK(I.end.kind != 0, "serving stopped without the step's end");
+    end = std::move(I.end);
+  }
+  if (end.kind == kStepEnd) I.run_finish(end.call_id != 0);  // Note [Step's finish]
+  return end;
 }
 
 Message Dispatcher::call(int dst, Message request, int32_t kind, bool backward,
@@ -1447,12 +1483,25 @@ void Dispatcher::arm_at_first_backward(std::function<void()> arm) {
 
 void Dispatcher::arm_now() { impl_->arm_once(); }
 
+void Dispatcher::finish_at_step_end(std::function<void(bool backward)> finish) {
+  auto& I = *impl_;
+  std::lock_guard<std::mutex> lock(I.arm_mu);
+  I.finish = std::move(finish);
+  I.finish_began.store(false, std::memory_order_release);
+}
+
+bool Dispatcher::finish_began() const {
+  return impl_->finish_began.load(std::memory_order_acquire);
+}
+
 bool Dispatcher::disarm() {
   auto& I = *impl_;
   std::function<void()> gone;
+  std::function<void(bool)> gone_finish;
   std::lock_guard<std::mutex> lock(I.arm_mu);
   const bool ran = I.arm_ran;
   gone.swap(I.arm);
+  gone_finish.swap(I.finish);
   I.arm_ran = false;
   I.arm_done.store(true, std::memory_order_release);
   return ran;

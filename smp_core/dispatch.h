@@ -182,8 +182,17 @@ class Dispatcher {
   void arm_at_first_backward(std::function<void()> arm);
   // Runs the step's arm now unless it ran (a rank with no backward work of its own).
   void arm_now();
-  // Takes the step's arm off; returns whether it had run.
+  // Takes the step's arm off; returns whether it had run. Drops the step's finish too.
   bool disarm();
+  // Note [Step's finish]: `finish(backward)` runs once, in C++, when this step ends well
+  // on this rank: in drive_step() after the step's end went out, in serve_step() once it
+  // arrived; `backward`: a backward ran in the step (on any pp rank). It sums the tied
+  // gradients and finalizes the dp reducer. Not run for a failed or aborted step.
+  // Set it before the step's work, each step (running takes it off).
+  void finish_at_step_end(std::function<void(bool backward)> finish);
+  // Whether this step's finish began (a step that raises after it began failed in its
+  // finish, not in its work).
+  bool finish_began() const;
 
   // Where a served request's time goes (the compute token is held throughout; compare
   // P2PEngine::Stats::token_held_s).

@@ -16,6 +16,7 @@
 #include "smp_core/reducer.h"
 #include "smp_core/remote_call.h"
 #include "smp_core/scheduler.h"
+#include "smp_core/tied_grads.h"
 
 namespace py = pybind11;
 
@@ -409,6 +410,24 @@ void bind_pipeline(py::module_& m) {
                reducer->prepare_for_pipeline_backward(1.0, hold);
              });
            }, py::arg("reducer"), py::arg("hold"), release())
+      // Note [Step's finish]: at the step's end, in C++: the tied gradients' sum, then
+      // (a reducing step) arming a rank with no backward work and the reducer's finalize.
+      .def("finish_step_with", [](Dispatcher& d, std::shared_ptr<TiedGradients> tied,
+                                  std::shared_ptr<Reducer> reducer) {
+             Dispatcher* dp = &d;  // the finish lives in `d`: no cycle through a shared_ptr
+             d.finish_at_step_end([dp, tied, reducer](bool backward) {
+               if (!backward) {
+                 if (tied) tied->restore();
+                 return;
+               }
+               if (tied) tied->sum();
+               if (reducer) {
+                 dp->arm_now();  // a rank that had no backward work of its own
+                 reducer->finalize();
+               }
+             });
+           }, py::arg("tied"), py::arg("reducer"), release())
+      .def("finish_began", &Dispatcher::finish_began)
       .def("arm_now", &Dispatcher::arm_now, release())
       .def("disarm", &Dispatcher::disarm, release())
       // Note [Executed plan] (smp_core/dispatch.cpp).
@@ -437,6 +456,20 @@ void bind_pipeline(py::module_& m) {
           return parse_gradient_flags(std::string(meta), n, what);
         },
         py::arg("meta"), py::arg("n"), py::arg("what") = "a gradient message");
+
+  // Note [Tied gradient sum] (smp_core/tied_grads.cpp).
+  py::class_<TiedGradients, std::shared_ptr<TiedGradients>>(m, "TiedGradients")
+      .def(py::init([](const std::vector<std::tuple<std::string, at::Tensor, ProcessGroupPtr>>& held,
+                       double timeout_s) {
+             std::vector<TiedGradients::Entry> entries;
+             for (const auto& [name, param, group] : held) entries.push_back({name, param, group});
+             return std::make_shared<TiedGradients>(std::move(entries), timeout_s);
+           }),
+           py::arg("held"), py::arg("timeout_s"))
+      .def("begin_step", &TiedGradients::begin_step)
+      .def("sum", &TiedGradients::sum, release())
+      .def("restore", &TiedGradients::restore)
+      .def("__len__", &TiedGradients::size);
 }
 
 }  // namespace smp::python

@@ -129,22 +129,18 @@ class PipelinePart:
             dispatch.arm_reducer(reducer, self._hold)
         try:
             self.tied.check_copies()  # Note [Tied copies] (placement.py)
-            self.tied.begin_step()
+            # Note [Step's finish] (smp_core/dispatch.cpp): as the step ends, the
+            # dispatcher sums the tied gradients and finalizes the reducer, in C++.
+            dispatch.finish_step_with(self.tied.begin_step(), reducer)
             try:
                 results, backward = self.engine.run_step(fn, mb_inputs)
             except BaseException as exc:
-                self.tied.restore_grads()
-                # Tell the other replicas rather than leave them waiting in their
-                # reduction. Armed: this rank's backward work had begun.
-                replica.fail_step(sync_step, exc, dispatch.disarm())
+                if not dispatch.finish_began():  # the step's work failed, not its finish
+                    self.tied.restore_grads()
+                    # Tell the other replicas rather than leave them waiting in their
+                    # reduction. Armed: this rank's backward work had begun.
+                    replica.fail_step(sync_step, exc, dispatch.disarm())
                 raise
-            if backward:
-                self.tied.sum_grads()
-            else:
-                self.tied.restore_grads()
-            if backward and reduce:
-                dispatch.arm_now()  # a rank that had no backward work of its own
-                reducer.finalize()
             if joining is not None:
                 joining.end_step(backward and sync_step and replica.reduces)
         finally:

@@ -58,11 +58,12 @@ def _travels(t):
     return t.layout == torch.strided and t.device.type == "cpu"
 
 
-def _step_end_part(mb, out):
+def _step_end_part(mb, out, backward):
     """Microbatch `mb`'s share of STEP_END (Note [Step end] in smp_core/dispatch.h):
-    its outputs `out` (with whether a backward had run) as a message whose meta is the
-    structure pickled and whose tensors are its dense CPU tensors, sent as they are (no
-    torch pickling, which costs more than the send), with whether each required grad."""
+    its outputs `out` as a message whose meta is the structure pickled and whose tensors
+    are its dense CPU tensors, sent as they are (no torch pickling, which costs more than
+    the send), with whether each required grad. `backward`: a backward had run in the
+    step; it goes in the call id too, for C++ (Note [Step's finish])."""
     tensors = []
 
     def slot(t):
@@ -70,7 +71,7 @@ def _step_end_part(mb, out):
         return TensorSlot(len(tensors) - 1)
     skeleton = map_leaves(out, slot, lambda x: isinstance(x, torch.Tensor) and _travels(x))
     flags = [t.requires_grad for t in tensors]
-    return _C.Message(mb, 0, K.STEP_END, pickle.dumps((skeleton, flags)), tensors)
+    return _C.Message(mb, int(backward), K.STEP_END, pickle.dumps((skeleton, flags)), tensors)
 
 
 def _decode_step_end(msg):
@@ -347,7 +348,8 @@ class Engine:
                 with timeline.span("microbatch", mb=mb), self._task_context():
                     results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])
                 # An output that cannot be sent fails the step on every rank, here.
-                return _step_end_part(mb, (results[mb], self._backward_ran))
+                ran = self._backward_ran
+                return _step_end_part(mb, (results[mb], ran), ran)
             except BaseException as exc:
                 with self.lock:
                     first = not errors

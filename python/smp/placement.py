@@ -12,7 +12,7 @@ parameters, buffers and hooks, on every rank. What changes is where a module run
   directly, and its storage is released elsewhere. A parameter held on several pp
   ranks is *tied* (an output projection sharing the embedding's weight): its copies
   start equal (`TiedParameters.sync_values`) and its gradient is summed across its
-  holders after every step (`TiedParameters.sum_grads`).
+  holders after every step (Note [Tied gradient sum], smp_core/tied_grads.cpp).
 - The train/eval mode of a module's whole subtree travels with every remote call,
   so the owner runs it in the mode the caller has (Note [Mode travels with the call]).
 """
@@ -162,7 +162,7 @@ class TiedParameters:
     def __init__(self, entries, me):
         self.entries = entries
         self.me = me
-        self._stash = []
+        self._native = None  # begin_step(): this step's _C.TiedGradients
         self._groups = {}  # connect(): Note [Tied holders' groups]
 
     def connect(self):
@@ -181,9 +181,6 @@ class TiedParameters:
             if t is tensor:
                 return holders[0] == self.me
         return True
-
-    def _allreduce(self, t, holders):
-        dist.all_reduce(t, group=self._groups[tuple(holders)])
 
     def sync_values(self):
         """Copies each tied tensor from its lowest holder to the others (after
@@ -229,42 +226,28 @@ class TiedParameters:
 
     def begin_step(self):
         """Sets each held tied parameter's gradient aside, so the step's backward
-        leaves only this step's contribution in .grad (see sum_grads)."""
-        self._stash = []
-        for _, t, holders in self.entries:
-            if self.me in holders and isinstance(t, torch.nn.Parameter):
-                self._stash.append(t.grad)
-                t.grad = None
-            else:
-                self._stash.append(None)
+        leaves only this step's contribution in .grad; returns the C++ object that
+        sums them as the step ends (Note [Tied gradient sum] in smp_core/tied_grads.cpp,
+        run by the dispatcher: Note [Step's finish]), or restores them. Made each step,
+        from the parameters' current tensors (a deferred model's are swapped in after
+        the plan is applied)."""
+        held = [(name, t, self._groups[tuple(holders)]) for name, t, holders in self.entries
+                if self.me in holders and isinstance(t, torch.nn.Parameter)]
+        self._native = _C.TiedGradients(held, float(core.state.cfg.timeout_s))
+        self._native.begin_step()
+        return self._native
 
     def restore_grads(self):
         """Puts back what begin_step set aside (a step without backward, or a failed one)."""
-        for (_, t, holders), before in zip(self.entries, self._stash):
-            if self.me in holders and isinstance(t, torch.nn.Parameter):
-                t.grad = before if t.grad is None or before is None else before.add_(t.grad)
-        self._stash = []
+        if self._native is not None:
+            self._native.restore()
 
-    # Summing only this step's contribution keeps gradient accumulation right: what
-    # .grad held before the step was already summed (and is equal on every holder).
     def sum_grads(self):
         """After the step's backward on every pp rank: each tied parameter's gradient
         becomes (what it held before the step) + (the sum over its holders of this
-        step's contribution)."""
-        with torch.no_grad():
-            for (_, t, holders), before in zip(self.entries, self._stash):
-                if not isinstance(t, torch.nn.Parameter) or not t.requires_grad or \
-                        self.me not in holders:
-                    continue
-                present = torch.tensor([0.0 if t.grad is None else 1.0])
-                self._allreduce(present, holders)
-                if present.item() == 0:  # no holder had a gradient this step
-                    t.grad = before
-                    continue
-                step = t.grad if t.grad is not None else torch.zeros_like(t)
-                self._allreduce(step, holders)  # in place: no copy of the gradient
-                t.grad = step if before is None else before.add_(step)
-        self._stash = []
+        step's contribution). The dispatcher does this itself at a pipelined step's
+        end; this is the same, called directly."""
+        self._native.sum()
 
 
 # Note [Tied holders' groups]

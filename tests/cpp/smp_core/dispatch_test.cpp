@@ -398,5 +398,55 @@ TEST(Dispatch, DriveStepSendsOneStepEndOrTheFirstError) {
   });
 }
 
+// Note [Step's finish]: the finish runs once per step that ends well, on the driver and
+// on the serving rank, told whether a backward ran anywhere (the OR of the parts'
+// flags); it never runs for an aborted step, and a step's finish is taken off by running.
+TEST(Dispatch, StepFinishRunsOnceWhereTheStepEndsWell) {
+  constexpr int64_t kMbs = 3;
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    auto p2p = std::make_shared<P2PEngine>(store, "finish", r, 2, 20);
+    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
+    // Steps: no backward; a backward in microbatch 1 only; an aborted step.
+    int64_t epoch = 0;
+    for (const int kind : {0, 1, 2}) {
+      std::vector<int> ran;  // each call's backward flag
+      d.begin_step(kMbs);
+      p2p->begin_step(++epoch);
+      d.finish_at_step_end([&ran](bool backward) { ran.push_back(backward ? 1 : 0); });
+      EXPECT_FALSE(d.finish_began());
+      if (r == 0) {
+        d.drive_step([&](int64_t mb) {
+          if (kind == 2) {
+            Message abort = make(mb, 0, kAbort);
+            if (mb == 0) abort.meta = "boom";
+            return abort;
+          }
+          return make(mb, (kind == 1 && mb == 1) ? 1 : 0, kStepEnd);
+        });
+        if (kind == 2) p2p->recv(kAny, kAny, bit(kAbort), "the abort");
+      } else {
+        d.serve_step();
+      }
+      if (kind == 2) {
+        EXPECT_TRUE(ran.empty()) << "rank " << r;
+        EXPECT_FALSE(d.finish_began());
+        d.disarm();  // the caller drops the step's finish
+      } else {
+        ASSERT_EQ(ran.size(), 1u) << "rank " << r << " step " << kind;
+        EXPECT_EQ(ran[0], kind) << "rank " << r;
+        EXPECT_TRUE(d.finish_began());
+      }
+    }
+      // A step with no finish set runs none (the last one was taken off).
+    d.begin_step(kMbs);
+    p2p->begin_step(++epoch);
+    if (r == 0)
+      d.drive_step([](int64_t mb) { return make(mb, 1, kStepEnd); });
+    else
+      d.serve_step();
+    EXPECT_FALSE(d.finish_began());
+  });
+}
+
 }  // namespace
 }  // namespace smp

@@ -50,6 +50,7 @@ class JoinProtocol {
   // Iterations seen so far (calls of notify_not_joined + count_not_joined).
   int64_t iteration() const { return iteration_; }
   int rank() const { return rank_; }
+  double timeout_s() const { return timeout_s_; }
   int size() const { return size_; }
   const ProcessGroupPtr& process_group() const { return pg_; }
 

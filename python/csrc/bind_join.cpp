@@ -9,6 +9,8 @@
 
 #include "bindings.h"
 #include "smp_core/join.h"
+#include "smp_core/join_step.h"
+#include "smp_core/reducer.h"
 
 namespace py = pybind11;
 
@@ -36,6 +38,22 @@ void bind_join(py::module_& m) {
       .def_property_readonly("rank", &JoinProtocol::rank)
       .def_property_readonly("size", &JoinProtocol::size)
       .def_property_readonly("process_group", &JoinProtocol::process_group);
+
+  // Note [Join step] (smp_core/join_step.cpp): a model's part of each Join iteration.
+  m.def("join_announce_step", &join_announce_step, py::arg("proto"), py::arg("reducer"),
+        py::arg("sync_step"), py::arg("divide_by_initial_world_size"), release());
+  m.def("join_end_step", &join_end_step, py::arg("reducer"), py::arg("announced"),
+        py::arg("reduced"), release());
+  m.def("join_shadow_step", &join_shadow_step, py::arg("proto"), py::arg("reducer"), release());
+  m.def("join_sync_buffers", &join_sync_buffers, py::arg("proto"), py::arg("buffers"),
+        py::arg("candidate"), release());
+  m.def("join_sync_final",
+        [](JoinProtocol& proto, const std::shared_ptr<Reducer>& reducer,
+           const std::vector<at::Tensor>& tensors, bool is_last_joiner) {
+          join_sync_final(proto, reducer.get(), tensors, is_last_joiner);
+        },
+        py::arg("proto"), py::arg("reducer"), py::arg("tensors"), py::arg("is_last_joiner"),
+        release());
 }
 
 }  // namespace smp::python

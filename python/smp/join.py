@@ -10,9 +10,11 @@ The collectives are the C++ `smp._C.JoinProtocol`'s, issued from the training th
 between steps, when the reducer's comm queue is idle (see Note [Join collective order]
 in smp_core/join.h), on the dp process group.
 
-The model's join (`DistributedModel.join_hook`) adds, per iteration:
+The model's join (`DistributedModel.join_hook`) adds, per iteration, decided in C++
+(Note [Join step] in smp_core/join_step.cpp):
   1. buffers (broadcast_buffers): the common-rank allreduce and the broadcast from it;
-  2. the "sync" allreduce: how many ranks reduce gradients this step (1 each);
+  2. the reducer (made at the same point on every rank), then the "sync" allreduce:
+     how many ranks reduce gradients this step (1 each);
   3. the reducer's step; a joined rank runs `Reducer.run_shadow_step()`, which sends
      every bucket through the registered hook chain with zeros.
 With partitions > 1 each pp rank does this on its own dp group; the driver (pp rank 0)
@@ -305,26 +307,27 @@ class _StepJoin:
         self.sync = False
 
     def sync_buffers(self):
-        _sync_buffers(self.model, self.proto, candidate=True)
+        _C.join_sync_buffers(self.proto, list(self.model.local_buffers()), True)
 
     def announce(self, sync_step):
-        """The "sync" allreduce; returns whether this step reduces gradients."""
+        """The "sync" allreduce; returns whether this step reduces gradients (Note
+        [Join step] in smp_core/join_step.cpp)."""
         replica = self.model.replica
         if not replica.reduces:
             return sync_step
-        n = self.proto.allreduce_sum(1 if sync_step else 0, "the join 'sync' allreduce")
-        self.sync = bool(sync_step)
-        # Made here, not at the first backward: a joined rank makes it at the same point.
-        replica.ensure_reducer().set_active_ranks(
-            0 if replica.divide_by_initial_world_size else max(int(n), 1))
+        # Made here, before the 'sync' allreduce, not at the first backward: a joined
+        # rank makes it at the same point (Note [Join step] in smp_core/join_step.cpp).
+        self.sync = _C.join_announce_step(self.proto, replica.ensure_reducer(),
+                                          bool(sync_step),
+                                          bool(replica.divide_by_initial_world_size))
         return self.sync
 
     def end_step(self, reduced):
         """After the body: a step that announced a reduction but ran no synchronized
         backward (an evaluation step) shadows it, so the group's collectives match."""
         reducer = self.model.replica.reducer
-        if self.sync and not reduced and reducer is not None:
-            reducer.run_shadow_step()
+        if reducer is not None:
+            _C.join_end_step(reducer, self.sync, bool(reduced))
 
 
 def begin_step(model):
@@ -337,14 +340,6 @@ def begin_step(model):
 
 def _has_buffers(model):
     return model.broadcast_buffers and model.replica.has_buffers()
-
-
-def _sync_buffers(model, proto, candidate):
-    """torch DDP under join: buffers come from the highest-ranked active rank."""
-    root = proto.find_common_rank(candidate)
-    with torch.no_grad():
-        _C.broadcast_coalesced(core.get_dp_process_group(), list(model.local_buffers()),
-                               int(root))
 
 
 @core.api_call(core.STEP_CALL)  # the collectives of an active rank's step: the same name
@@ -360,11 +355,9 @@ def shadow_step(model):
                                "first step (a replica with zero batches cannot be partitioned)")
         model.first_step_without_batch()  # the first step's agreement and broadcast
     elif _has_buffers(model):
-        _sync_buffers(model, proto, candidate=False)
-    n = proto.allreduce_sum(0, "the join 'sync' allreduce")
-    reducer = replica.ensure_reducer()
-    if n > 0:
-        reducer.run_shadow_step()
+        _C.join_sync_buffers(proto, list(model.local_buffers()), False)
+    # The reducer is made where an active rank's announce makes it (Note [Join step]).
+    _C.join_shadow_step(proto, replica.ensure_reducer())
 
 
 def sync_final_model(model, is_last_joiner):
@@ -374,14 +367,8 @@ def sync_final_model(model, is_last_joiner):
     if not replica.reduces:
         return
     proto = _protocol(core.get_dp_process_group())
-    root = proto.find_common_rank(bool(is_last_joiner))
-    if root < 0:
-        raise RuntimeError("smp.join: no rank reported itself as the last joiner (a bug)")
     tensors = list(model.local_parameters()) + list(model.local_buffers())
-    with torch.no_grad():
-        _C.broadcast_coalesced(core.get_dp_process_group(), tensors, int(root))
-    if replica.reducer is not None:
-        replica.reducer.set_active_ranks(0)
+    _C.join_sync_final(proto, replica.reducer, tensors, bool(is_last_joiner))
 
 
 # Note [Join with pipeline parallelism]

@@ -2,6 +2,7 @@
 // tests/cpp/common/gloo_world.h). Closed forms: rank r has r + 1 batches, so at
 // iteration k (1-based) n - k + 1 ranks are still active.
 #include "smp_core/join.h"
+#include "smp_core/join_step.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -79,6 +80,59 @@ TEST(JoinProtocol, ReducerShadowStepsAndActiveRankDivisor) {
       });
     }
   }
+}
+
+// Note [Join step]: the model's iteration, decided in C++. Rank r has r + 1 batches;
+// the active ranks announce (the reducer divides by the ranks that reduce), a joined
+// rank shadows; an evaluation step (announced, no backward) shadows at its end; the
+// buffers come from the highest active rank, and at the end every rank takes the last
+// joiner's parameters.
+TEST(JoinStep, AnnounceShadowEvaluationAndFinalSync) {
+  run_gloo_world(3, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    std::vector<at::Tensor> ps = {torch::zeros({4}).requires_grad_()};
+    at::Tensor buffer = torch::full({2}, double(r));
+    ReducerOptions o;
+    o.bucket_cap_bytes = 1;
+    Reducer red(ps, pg, o);
+    JoinProtocol join(pg, 5.0);
+    const int batches = r + 1;
+    bool last = true;
+    for (int k = 1; k <= 4; ++k) {  // iteration 4 finds every rank joined
+      if (k > batches) {
+        if (join.count_not_joined() == 0) break;
+        last = false;
+        join_sync_buffers(join, {buffer}, /*candidate=*/false);
+        join_shadow_step(join, red);
+        continue;
+      }
+      join.notify_not_joined();
+      join_sync_buffers(join, {buffer}, /*candidate=*/true);
+      EXPECT_TRUE(buffer.equal(torch::full({2}, 2.0)));  // rank 2 is always active
+      const bool evaluation = (k == 2);  // every active rank evaluates at iteration 2
+      EXPECT_TRUE(join_announce_step(join, red, /*sync_step=*/true,
+                                     /*divide_by_initial_world_size=*/false));
+      if (evaluation) {
+        join_end_step(red, /*announced=*/true, /*reduced=*/false);  // shadows the reduction
+        continue;
+      }
+      ps[0].mutable_grad() = at::Tensor();
+      at::Tensor loss = (ps[0] * (r + 1)).sum();
+      red.prepare_for_backward(true, 1.0, {loss});
+      loss.backward();
+      red.finalize();
+      join_end_step(red, true, true);  // reduced: nothing more
+      // Ranks r >= k - 1 are active at iteration k, each r + 1; divided by their count.
+      double sum = 0;
+      for (int q = k - 1; q < 3; ++q) sum += q + 1;
+      EXPECT_NEAR(ps[0].grad().min().item<double>(), sum / (3 - (k - 1)), 1e-6)
+          << "rank " << r << " iteration " << k;
+      ps[0].data().fill_(double(10 * r + k));  // each rank's own "optimizer step"
+    }
+    EXPECT_EQ(last, r == 2);
+    join_sync_final(join, &red, {ps[0], buffer}, last);
+    EXPECT_TRUE(ps[0].equal(torch::full({4}, 23.0)));  // rank 2's value after iteration 3
+    EXPECT_EQ(red.steps_run(), 3);  // every rank: 3 reductions, real or shadow
+  });
 }
 
 TEST(JoinProtocol, SetActiveRanksRejectsBadCounts) {

@@ -197,7 +197,9 @@ int64_t Plan::window() const {
     case PlanKind::kSimple: return o.microbatches;
     case PlanKind::kInterleaved: return std::min(o.active_microbatches, o.microbatches);
     case PlanKind::k1F1B:
-    case PlanKind::kZeroBubble: return std::min(o.stages, o.microbatches);
+    case PlanKind::kZeroBubble:  // Note [1F1B's window]: one per hop, at most the
+      // driver's task threads (Schedule::window(): pp ranks + 1)
+      return std::min({static_cast<int64_t>(path_.size()), o.stages + 1, o.microbatches});
   }
   return o.microbatches;
 }

@@ -37,7 +37,7 @@ namespace smp {
 enum class PlanKind : int32_t {
   kSimple = 0,       // GPipe: every forward, then every backward
   kInterleaved = 1,  // SMP's: backward first, at most active_microbatches in flight
-  k1F1B = 2,         // interleaved with the window that 1F1B keeps: one per pp rank
+  k1F1B = 2,         // interleaved with the window that 1F1B keeps: one per hop of the path
   kZeroBubble = 3,   // 1F1B with each backward split into I and W; W fills bubbles (ZB-H1)
 };
 

@@ -156,6 +156,34 @@ TEST(Plan, SimpleRunsEveryForwardBeforeAnyBackward) {
   EXPECT_EQ(plan.window(), 5);
 }
 
+// Note [1F1B's window]: a microbatch's forward comes back to the driver for its loss
+// (path 0, 1, 0), so 1F1B keeps one microbatch per hop in flight: the driver runs the
+// forward of microbatch k + 2 while the last stage runs the input half of k's backward,
+// instead of waiting for it.
+TEST(Plan, OneFOneBWindowCountsTheHopBackToTheDriver) {
+  for (PlanKind kind : {PlanKind::k1F1B, PlanKind::kZeroBubble}) {
+    PlanOptions o = opts(kind, 8, 2, {0, 1, 0});
+    o.gradient_order = true;
+    o.fused_last = true;
+    if (kind == PlanKind::kZeroBubble) o.unsplit_rank = 0;
+    Plan plan = Plan::compile(o);
+    SCOPED_TRACE(plan.format());
+    EXPECT_EQ(plan.window(), 3);
+    plan.validate();
+    const auto& driver = plan.compute()[0];
+    auto at = [&](Op op, int64_t mb, int64_t hop) {
+      for (size_t i = 0; i < driver.size(); ++i)
+        if (driver[i].op == op && driver[i].mb == mb && driver[i].hop == hop) return i;
+      ADD_FAILURE() << "no action";
+      return driver.size();
+    };
+    for (int64_t k = 0; k + 2 < 8; ++k) {  // the loss of k, then the forward of k + 2, then k's backward
+      EXPECT_LT(at(Op::kForward, k, 2), at(Op::kForward, k + 2, 0)) << "microbatch " << k;
+      EXPECT_LT(at(Op::kForward, k + 2, 0), at(Op::kBackward, k, 0)) << "microbatch " << k;
+    }
+  }
+}
+
 // The defining shape of 1F1B (Narayanan et al., PipeDream-Flush): pp rank s runs
 // min(S - s, M) forwards, then alternates one backward and one forward while forwards
 // are left, then the remaining backwards; so it holds at most S - s microbatches.

@@ -35,10 +35,12 @@ TEST(Schedule, PriorityRule) {
   EXPECT_EQ(make(ScheduleKind::kInterleaved, 8, 2, 4).window(), 4);
   EXPECT_EQ(make(ScheduleKind::kInterleaved, 2, 2, 4).window(), 2);
   EXPECT_EQ(make(ScheduleKind::kSimple, 8, 2, 4).window(), 8);
-  // 1f1b: interleaved's order with one microbatch in flight per pp rank.
-  EXPECT_EQ(make(ScheduleKind::kOneFOneB, 8, 2, 7).window(), 2);
-  EXPECT_EQ(make(ScheduleKind::kOneFOneB, 8, 4, 1).window(), 4);
+  // 1f1b: interleaved's order with one microbatch in flight per hop of a microbatch's
+  // path, which comes back to the driver: pp ranks + 1 (Note [1F1B's window]).
+  EXPECT_EQ(make(ScheduleKind::kOneFOneB, 8, 2, 7).window(), 3);
+  EXPECT_EQ(make(ScheduleKind::kOneFOneB, 8, 4, 1).window(), 5);
   EXPECT_EQ(make(ScheduleKind::kOneFOneB, 3, 4, 1).window(), 3);
+  EXPECT_EQ(make(ScheduleKind::kZeroBubble, 8, 2, 1).window(), 3);
   EXPECT_EQ(schedule_priority(ScheduleKind::kOneFOneB, 5, Phase::kBackward),
             schedule_priority(ScheduleKind::kInterleaved, 5, Phase::kBackward));
   EXPECT_EQ(schedule_priority(ScheduleKind::kOneFOneB, 5, Phase::kForward),

@@ -883,6 +883,9 @@ struct Dispatcher::Impl {
       mine.push_back(a);
     }
     std::lock_guard<std::mutex> lock(mu);
+    if (!plan || plan->path() != p->path() ||
+        plan->options().microbatches != p->options().microbatches)
+      stats.new_plans++;
     split_step = p->options().kind == PlanKind::kZeroBubble;
     weights_left = weight_actions;
     plan = std::move(p);

@@ -218,6 +218,9 @@ class Dispatcher {
     // and those of them that left it (their calls differed from the recorded ones).
     int64_t planned_steps = 0;
     int64_t plan_fallbacks = 0;
+    // Plans installed that differ from the one before (another path or microbatch
+    // count): the driver logs the plan when this moves, not every planned step.
+    int64_t new_plans = 0;
     // Note [Served backward]: backward requests served in C++, and the time spent in
     // torch's autograd engine for them.
     int64_t native_backwards = 0;

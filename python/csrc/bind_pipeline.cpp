@@ -261,6 +261,7 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("microbatches", &Dispatcher::Stats::microbatches)
       .def_readonly("planned_steps", &Dispatcher::Stats::planned_steps)
       .def_readonly("plan_fallbacks", &Dispatcher::Stats::plan_fallbacks)
+      .def_readonly("new_plans", &Dispatcher::Stats::new_plans)
       .def_readonly("native_backwards", &Dispatcher::Stats::native_backwards)
       .def_readonly("split_backwards", &Dispatcher::Stats::split_backwards)
       .def_readonly("weight_actions", &Dispatcher::Stats::weight_actions)

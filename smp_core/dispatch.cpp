@@ -1160,6 +1160,7 @@ void Dispatcher::begin_step(int64_t microbatches, bool deterministic, bool rng_c
   impl_->idle = 0;
   impl_->error = nullptr;
   impl_->end = Message();
+  impl_->finish_began.store(false, std::memory_order_release);  // Note [Step's finish]
   // Note [Executed plan]: the plan of this step is installed by drive() (the driver)
   // or by the driver's kPlan (a serving rank).
   impl_->plan_wanted = planned;

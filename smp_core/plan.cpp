@@ -199,7 +199,8 @@ int64_t Plan::window() const {
     case PlanKind::k1F1B:
     case PlanKind::kZeroBubble:  // Note [1F1B's window]: one per hop, at most the
       // driver's task threads (Schedule::window(): pp ranks + 1)
-      return std::min({static_cast<int64_t>(path_.size()), o.stages + 1, o.microbatches});
+      return std::min({static_cast<int64_t>(path_.size()), o.stages + (o.stages > 1 ? 1 : 0),
+                       o.microbatches});
   }
   return o.microbatches;
 }

@@ -43,11 +43,9 @@ void TiedGradients::begin_step() {
 
 void TiedGradients::restore() {
   if (!stashed_) return;
-  for (size_t i = 0; i < held_.size(); ++i) {
-    at::Tensor& grad = held_[i].param.mutable_grad();
-    at::Tensor& before = before_[i];
-    if (before.defined()) grad = grad.defined() ? before.add_(grad) : before;
-  }
+  // Exactly what was set aside: a failed step's contribution here is this holder's
+  // alone, never summed, and keeping it would make the copies' gradients differ.
+  for (size_t i = 0; i < held_.size(); ++i) held_[i].param.mutable_grad() = before_[i];
   before_.clear();
   stashed_ = false;
 }

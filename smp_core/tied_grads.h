@@ -34,8 +34,8 @@ class TiedGradients {
   // before the step plus the sum over its holders of this step's contribution
   // (collectives on the holders' groups).
   void sum();
-  // Puts back what begin_step() set aside, adding any contribution of the step (a step
-  // without backward, or a failed one). Local only.
+  // Puts back exactly what begin_step() set aside (a step without backward, or a failed
+  // one, whose un-summed contribution is dropped). Local only.
   void restore();
 
   size_t size() const { return held_.size(); }

@@ -238,7 +238,8 @@ class TiedParameters:
         return self._native
 
     def restore_grads(self):
-        """Puts back what begin_step set aside (a step without backward, or a failed one)."""
+        """Puts back exactly what begin_step set aside (a step without backward, or a
+        failed one, whose un-summed contribution would make the copies differ)."""
         if self._native is not None:
             self._native.restore()
 

@@ -437,14 +437,20 @@ TEST(Dispatch, StepFinishRunsOnceWhereTheStepEndsWell) {
         EXPECT_TRUE(d.finish_began());
       }
     }
-      // A step with no finish set runs none (the last one was taken off).
-    d.begin_step(kMbs);
-    p2p->begin_step(++epoch);
-    if (r == 0)
-      d.drive_step([](int64_t mb) { return make(mb, 1, kStepEnd); });
-    else
-      d.serve_step();
-    EXPECT_FALSE(d.finish_began());
+      // A finish is taken off by running: a good step runs it, the next step (none set)
+    // runs nothing, and finish_began() is false again from that step's begin_step().
+    int runs = 0;
+    for (const bool set : {true, false}) {
+      d.begin_step(kMbs);
+      p2p->begin_step(++epoch);
+      if (set) d.finish_at_step_end([&runs](bool) { ++runs; });
+      if (r == 0)
+        d.drive_step([](int64_t mb) { return make(mb, 1, kStepEnd); });
+      else
+        d.serve_step();
+      EXPECT_EQ(runs, 1) << "rank " << r;
+      EXPECT_EQ(d.finish_began(), set) << "rank " << r;
+    }
   });
 }
 

@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+import _malloc  # bench/_malloc.py
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BUILD = os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build"))
@@ -290,7 +292,7 @@ def worker_reshard(args):
 def launch(args, d, nproc, extra):
     # Note [Fixed mmap threshold] (smp_core/runtime.h): smp's default, on both sides.
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MALLOC_MMAP_THRESHOLD_="4194304", MALLOC_TRIM_THRESHOLD_="16777216",
+               **_malloc.SMP_DEFAULT,
                SMP_PYTHON=sys.executable)
     cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", str(nproc), __file__,
            "--rounds", str(args.rounds), "--dir", d] + extra

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+import _malloc  # bench/_malloc.py
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BUILD = os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build"))
@@ -104,7 +106,7 @@ def main():
         return worker(args)
     # Note [Fixed mmap threshold] (smp_core/runtime.h): smp's default, on both sides.
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MALLOC_MMAP_THRESHOLD_="4194304", MALLOC_TRIM_THRESHOLD_="16777216",
+               **_malloc.SMP_DEFAULT,
                SMP_PYTHON=sys.executable)  # the ranks run on this interpreter's torch
     cmd = [os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", "2", __file__,
            "--rounds", str(args.rounds), "--steps", str(args.steps),

@@ -37,6 +37,8 @@ import sys
 import threading
 import time
 
+import _malloc  # bench/_malloc.py
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BUILD = os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build"))
@@ -256,13 +258,12 @@ def _python_env(malloc=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", SMP_PYTHON=PYTHON)
     env["PYTHONPATH"] = os.path.join(BUILD, "python") + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("GLIBC_TUNABLES", None)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    env.pop("MALLOC_TRIM_THRESHOLD_", None)
+    for name in _malloc.SMP_DEFAULT:
+        env.pop(name, None)
     if malloc:
         env["GLIBC_TUNABLES"] = malloc
     else:  # Note [Fixed mmap threshold] (smp_core/runtime.h): smp's default, both sides
-        env["MALLOC_MMAP_THRESHOLD_"] = "4194304"
-        env["MALLOC_TRIM_THRESHOLD_"] = "16777216"
+        env.update(_malloc.SMP_DEFAULT)
     return env
 
 

@@ -63,7 +63,7 @@ def _step_end_part(mb, out, backward):
     its outputs `out` as a message whose meta is the structure pickled and whose tensors
     are its dense CPU tensors, sent as they are (no torch pickling, which costs more than
     the send), with whether each required grad. `backward`: a backward had run in the
-    step; it goes in the call id too, for C++ (Note [Step's finish])."""
+    step, in the call id (the combined STEP_END carries the OR: Note [Step's finish])."""
     tensors = []
 
     def slot(t):
@@ -76,14 +76,12 @@ def _step_end_part(mb, out, backward):
 
 def _decode_step_end(msg):
     """(per-microbatch outputs, whether a backward ran) from the driver's STEP_END."""
-    results, backward = [], False
+    results = []
     for part in _C.Dispatcher.step_end_parts(msg):
         skeleton, flags = pickle.loads(part.meta)
         tensors = [t.requires_grad_() if rg else t for t, rg in zip(part.tensors, flags)]
-        out, ran = unflatten(skeleton, tensors)
-        results.append(out)
-        backward = backward or ran
-    return results, backward
+        results.append(unflatten(skeleton, tensors))
+    return results, msg.call_id != 0
 
 
 class Engine:
@@ -350,8 +348,7 @@ class Engine:
                 with timeline.span("microbatch", mb=mb), self._task_context():
                     results[mb] = fn(*mb_inputs[mb][0], **mb_inputs[mb][1])
                 # An output that cannot be sent fails the step on every rank, here.
-                ran = self._backward_ran
-                return _step_end_part(mb, (results[mb], ran), ran)
+                return _step_end_part(mb, results[mb], self._backward_ran)
             except BaseException as exc:
                 with self.lock:
                     first = not errors

@@ -228,13 +228,14 @@ class TiedParameters:
         """Sets each held tied parameter's gradient aside, so the step's backward
         leaves only this step's contribution in .grad; returns the C++ object that
         sums them as the step ends (Note [Tied gradient sum] in smp_core/tied_grads.cpp,
-        run by the dispatcher: Note [Step's finish]), or restores them. Made each step,
-        from the parameters' current tensors (a deferred model's are swapped in after
-        the plan is applied)."""
+        run by the dispatcher: Note [Step's finish]), or restores them; None when this
+        rank holds no tied parameter. Made each step, from the parameters' current
+        tensors (a deferred model's are swapped in after the plan is applied)."""
         held = [(name, t, self._groups[tuple(holders)]) for name, t, holders in self.entries
                 if self.me in holders and isinstance(t, torch.nn.Parameter)]
-        self._native = _C.TiedGradients(held, float(core.state.cfg.timeout_s))
-        self._native.begin_step()
+        self._native = _C.TiedGradients(held, float(core.state.cfg.timeout_s)) if held else None
+        if self._native is not None:
+            self._native.begin_step()
         return self._native
 
     def restore_grads(self):
@@ -248,7 +249,8 @@ class TiedParameters:
         becomes (what it held before the step) + (the sum over its holders of this
         step's contribution). The dispatcher does this itself at a pipelined step's
         end; this is the same, called directly."""
-        self._native.sum()
+        if self._native is not None:
+            self._native.sum()
 
 
 # Note [Tied holders' groups]

@@ -1491,7 +1491,6 @@ void Dispatcher::finish_at_step_end(std::function<void(bool backward)> finish) {
   auto& I = *impl_;
   std::lock_guard<std::mutex> lock(I.arm_mu);
   I.finish = std::move(finish);
-  I.finish_began.store(false, std::memory_order_release);
 }
 
 bool Dispatcher::finish_began() const {

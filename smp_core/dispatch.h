@@ -191,7 +191,7 @@ class Dispatcher {
   // Set it before the step's work, each step (running takes it off).
   void finish_at_step_end(std::function<void(bool backward)> finish);
   // Whether this step's finish began (a step that raises after it began failed in its
-  // finish, not in its work).
+  // finish, not in its work); begin_step() resets it.
   bool finish_began() const;
 
   // Where a served request's time goes (the compute token is held throughout; compare

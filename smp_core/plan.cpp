@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "smp_core/errors.h"
+#include "smp_core/scheduler.h"
 
 namespace smp {
 namespace {
@@ -198,9 +199,9 @@ int64_t Plan::window() const {
     case PlanKind::kInterleaved: return std::min(o.active_microbatches, o.microbatches);
     case PlanKind::k1F1B:
     case PlanKind::kZeroBubble:  // Note [1F1B's window]: one per hop, at most the
-      // driver's task threads (Schedule::window(): pp ranks + 1)
-      return std::min({static_cast<int64_t>(path_.size()), o.stages + (o.stages > 1 ? 1 : 0),
-                       o.microbatches});
+      // driver's task threads
+      return std::min(static_cast<int64_t>(path_.size()),
+                      one_f_one_b_window(o.stages, o.microbatches));
   }
   return o.microbatches;
 }

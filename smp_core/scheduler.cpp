@@ -63,10 +63,14 @@ Schedule::Schedule(ScheduleOptions options) : options_(options) {
 // takes the same from its recorded path: one microbatch per hop, at most S + 1 (the
 // driver's task threads; a path that visits ranks more than once, 0, 1, 0, 1, 0, keeps
 // S + 1).
+int64_t one_f_one_b_window(int64_t stages, int64_t microbatches) {
+  return std::min(stages + (stages > 1 ? 1 : 0), microbatches);
+}
+
 int64_t Schedule::window() const {
   if (options_.kind == ScheduleKind::kSimple) return options_.microbatches;
   if (options_.kind == ScheduleKind::kOneFOneB || options_.kind == ScheduleKind::kZeroBubble)
-    return std::min(options_.stages + (options_.stages > 1 ? 1 : 0), options_.microbatches);
+    return one_f_one_b_window(options_.stages, options_.microbatches);
   return std::min(options_.active_microbatches, options_.microbatches);
 }
 

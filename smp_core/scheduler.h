@@ -59,6 +59,10 @@ struct ScheduleOptions {
   int64_t active_microbatches = 3;
 };
 
+// 1F1B's and zero_bubble's window: the driver's task threads (Note [1F1B's window] in
+// scheduler.cpp), pp ranks + 1 where there is a pipeline; a Plan's is at most this.
+int64_t one_f_one_b_window(int64_t stages, int64_t microbatches);
+
 // The priority rule alone, for callers that only have the kind (the p2p receive order).
 int64_t schedule_priority(ScheduleKind kind, int64_t mb, Phase phase);
 

@@ -79,7 +79,10 @@ std::string LocalGroup::start(int attempt) {
     }
     EnvMap env = rank_environment(base_env_, options_, l, attempt, master_port_, cores_);
     std::string error;
-    slot->pid = spawn_rank(options_.command, env, out[1], err[1], &error);
+    const std::vector<int> cpus =
+        options_.bind_cores ? rank_cpu_block(usable_cpu_list(), options_.nproc_per_node, l)
+                            : std::vector<int>();
+    slot->pid = spawn_rank(options_.command, env, out[1], err[1], &error, cpus);
     close(out[1]);
     close(err[1]);
     slot->fds[0] = out[0];

@@ -68,6 +68,10 @@ int run(int argc, char** argv) {
   }
   std::string error = check_master_port(options);
   if (!error.empty()) return fail(kExitBadInput, error);
+  if (options.bind_cores) {
+    error = bind_cores_error(usable_cpu_list(), options.nproc_per_node);
+    if (!error.empty()) return fail(kExitBadInput, error);
+  }
   int port = options.master_port;
   if (port == 0) {
     port = pick_free_port(options.master_addr, &error);

@@ -244,6 +244,10 @@ ParseResult parse_options(const std::vector<std::string>& argv, const EnvMap& en
                  "Write each rank's output, unprefixed, to DIR/rank_<r>.log (console gets "
                  "none unless --tee)");
   app.add_flag("--tee", o.tee, "With --log_dir: also print rank output on the console");
+  app.add_flag("--bind_cores,--bind-cores", o.bind_cores,
+               "Bind each local rank to its own block of the CPUs smprun may use (like "
+               "DeepSpeed's --bind_cores_to_rank): a rank's threads stay off its neighbours' "
+               "cores (default off)");
   app.add_option("--max_restarts,--max-restarts", o.max_restarts,
                  "Restart the whole job up to K times after a rank fails (default 0)");
   app.add_option("--rdzv_timeout,--rdzv-timeout", o.rdzv_timeout_s,

@@ -71,6 +71,9 @@ struct LaunchOptions {
   // [Automatic resume] in python/smp/auto_resume.py); passed as SMP_CHECKPOINT_DIR
   // (absolute). Empty: not given.
   std::string checkpoint_dir;
+  // Note [Core binding] (launcher/rank_process.h): each local rank runs on its own block
+  // of the CPUs this launcher may use (--bind_cores).
+  bool bind_cores = false;
 };
 
 struct ParseResult {

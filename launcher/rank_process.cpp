@@ -20,6 +20,37 @@ int usable_cores() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
+std::vector<int> usable_cpu_list() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  if (cpus.empty()) {
+    for (int c = 0; c < usable_cores(); ++c) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+std::vector<int> rank_cpu_block(const std::vector<int>& cpus, int nproc, int local_rank) {
+  const int n = static_cast<int>(cpus.size());
+  if (nproc < 1 || n < nproc || local_rank < 0 || local_rank >= nproc) return {};
+  const int base = n / nproc, extra = n % nproc;
+  const int begin = local_rank * base + std::min(local_rank, extra);
+  const int size = base + (local_rank < extra ? 1 : 0);
+  return std::vector<int>(cpus.begin() + begin, cpus.begin() + begin + size);
+}
+
+std::string bind_cores_error(const std::vector<int>& cpus, int nproc) {
+  if (static_cast<int>(cpus.size()) >= nproc) return "";
+  return "--bind_cores needs a CPU per rank: --nproc_per_node " + std::to_string(nproc) +
+         " ranks, but smprun may use " + std::to_string(cpus.size()) +
+         " CPUs (allowed: --nproc_per_node <= " + std::to_string(cpus.size()) +
+         ", or no --bind_cores)";
+}
+
 EnvMap rank_environment(const EnvMap& base, const LaunchOptions& o, int local_rank, int attempt,
                         int master_port, int cores) {
   EnvMap env = base;
@@ -65,7 +96,10 @@ std::string add_smp_package_path(const std::string& exe_path, EnvMap& env) {
 }
 
 pid_t spawn_rank(const std::vector<std::string>& argv, const EnvMap& env, int out_fd, int err_fd,
-                 std::string* error) {
+                 std::string* error, const std::vector<int>& cpus) {
+  cpu_set_t bound;  // Note [Core binding]
+  CPU_ZERO(&bound);
+  for (int c : cpus) CPU_SET(c, &bound);
   // Build everything before fork: the child only calls async-signal-safe functions.
   std::vector<std::string> env_strings;
   env_strings.reserve(env.size());
@@ -97,6 +131,8 @@ pid_t spawn_rank(const std::vector<std::string>& argv, const EnvMap& env, int ou
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
   for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) signal(sig, SIG_DFL);
+  // Note [Core binding]: before exec, so every thread of the rank inherits it.
+  if (!cpus.empty()) sched_setaffinity(0, sizeof(bound), &bound);
   int devnull = open("/dev/null", O_RDONLY);
   if (devnull >= 0) dup2(devnull, 0);
   dup2(out_fd, 1);

@@ -180,6 +180,30 @@ def test_config_file_and_no_config(tmp_path):
     assert rank_envs(out)[0]["OMP_NUM_THREADS"] == "5"
 
 
+def test_bind_cores_gives_each_rank_its_own_cpus():
+    """Note [Core binding]: disjoint blocks that cover the launcher's CPUs, inherited by
+    every thread a rank starts; without the flag every rank may use them all."""
+    mine = sorted(os.sched_getaffinity(0))
+    n = min(len(mine), 4)
+    rc, out, err, _ = run(["--nproc_per_node", n, "--bind_cores", SCRIPTS / "env_dump.py"])
+    assert rc == 0, err
+    envs = rank_envs(out)
+    blocks = [envs[r]["cpus"] for r in range(n)]
+    assert sum(blocks, []) == mine, blocks  # in rank order, each CPU once
+    assert all(envs[r]["thread_cpus"] == envs[r]["cpus"] for r in range(n))
+    assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+    rc, out, err, _ = run(["--nproc_per_node", n, SCRIPTS / "env_dump.py"])
+    assert rc == 0, err
+    assert all(e["cpus"] == mine for e in rank_envs(out).values())
+    # More ranks than CPUs: refused at once, naming the flag and the values allowed.
+    rc, out, err, _ = run(["--nproc_per_node", len(mine) + 1, "--bind-cores",
+                           SCRIPTS / "env_dump.py"], timeout=10)
+    assert rc == 2 and out == ""
+    assert err.strip() == (f"smprun: error: --bind_cores needs a CPU per rank: --nproc_per_node "
+                           f"{len(mine) + 1} ranks, but smprun may use {len(mine)} CPUs "
+                           f"(allowed: --nproc_per_node <= {len(mine)}, or no --bind_cores)"), err
+
+
 def test_output_lines_are_prefixed_and_whole():
     count, width = 150, 3000
     rc, out, err, _ = run(["--nproc_per_node", 4, SCRIPTS / "long_lines.py", count, width])
@@ -314,7 +338,7 @@ def test_help_explains_every_flag():
     assert rc == 0
     for flag in ("--nnodes", "--node_rank", "--nproc_per_node", "--master_addr",
                  "--master_port", "--config", "--log_dir", "--tee", "--max_restarts",
-                 "--rdzv_timeout", "--grace_period", "PROGRAM [ARGS...]"):
+                 "--rdzv_timeout", "--grace_period", "--bind_cores", "PROGRAM [ARGS...]"):
         assert flag in out
 
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <vector>
 
 namespace smp::launcher {
 namespace {
@@ -50,6 +51,27 @@ TEST(RankEnvironment, ConfigThreadsAndUserSettings) {
 
 TEST(UsableCores, AtLeastOne) { EXPECT_GE(usable_cores(), 1); }
 
+TEST(CoreBinding, ContiguousDisjointBlocksThatCoverTheCpus) {
+  const std::vector<int> cpus = {0, 1, 2, 3, 4, 5, 8, 9, 10, 11};  // a gap: 6 and 7 not ours
+  std::vector<int> seen;
+  for (int l = 0; l < 4; ++l) {
+    const std::vector<int> block = rank_cpu_block(cpus, 4, l);
+    EXPECT_EQ(block.size(), l < 2 ? 3u : 2u) << "local rank " << l;  // 10 = 3 + 3 + 2 + 2
+    seen.insert(seen.end(), block.begin(), block.end());
+  }
+  EXPECT_EQ(seen, cpus);  // in order, each CPU once
+  EXPECT_EQ(rank_cpu_block({0, 1}, 2, 1), std::vector<int>({1}));
+  EXPECT_EQ(rank_cpu_block({0, 1}, 1, 0), std::vector<int>({0, 1}));
+  EXPECT_TRUE(rank_cpu_block({0, 1}, 3, 0).empty());
+  EXPECT_EQ(bind_cores_error({0, 1}, 2), "");
+  const std::string e = bind_cores_error({0, 1}, 3);
+  EXPECT_NE(e.find("--bind_cores"), std::string::npos) << e;
+  EXPECT_NE(e.find("--nproc_per_node 3"), std::string::npos) << e;
+  EXPECT_NE(e.find("<= 2"), std::string::npos) << e;
+  const std::vector<int> mine = usable_cpu_list();
+  EXPECT_EQ(static_cast<int>(mine.size()), usable_cores());
+}
+
 std::string read_all(int fd) {
   std::string out;
   char buf[256];
@@ -93,6 +115,27 @@ TEST(SpawnRank, ExecFailureExits127WithMessage) {
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_EQ(WEXITSTATUS(status), 127);
+  close(out[0]);
+  close(err[0]);
+}
+
+TEST(SpawnRank, BindsTheChildToItsCpus) {
+  const std::vector<int> mine = usable_cpu_list();
+  const std::vector<int> one = {mine.back()};
+  int out[2], err[2];
+  ASSERT_EQ(pipe(out), 0);
+  ASSERT_EQ(pipe(err), 0);
+  std::string error;
+  // Every thread of the child is bound, not only its first (the kernel's own list).
+  pid_t pid = spawn_rank({"/bin/sh", "-c", "grep Cpus_allowed_list /proc/self/status"}, {},
+                         out[1], err[1], &error, one);
+  ASSERT_GT(pid, 0) << error;
+  close(out[1]);
+  close(err[1]);
+  EXPECT_EQ(read_all(out[0]), "Cpus_allowed_list:\t" + std::to_string(one[0]) + "\n");
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
   close(out[0]);
   close(err[0]);
 }

@@ -77,8 +77,9 @@ class RestoreRng {
 //    the schedule's kind and window, under the runtime's own constraints (PlanOptions
 //    gradient_order and fused_last: a microbatch's backward work on a rank starts
 //    after the previous one's is over there, since its gradients would wait for that
-//    anyway). The driver sends the path (kPlan) to every pp rank before its first
-//    request; each compiles the same plan.
+//    anyway; Note [Last hop's gradients] for the loss hop). The driver sends the path
+//    (kPlan) to every pp rank before its first request, with whether its last hop
+//    accumulates; each compiles the same plan.
 //  - Admissions: a task takes the token at the start of each compute action: a
 //    microbatch's step body (F of hop 0), a served request (F or B), the driver going on
 //    after an answer (the next F or B of its microbatch) or, under "simple", starting
@@ -195,6 +196,8 @@ struct Dispatcher::Impl {
   std::vector<std::pair<int, bool>> expected_calls;  // driver: each microbatch's
   std::vector<std::vector<std::pair<int, bool>>> calls;  // driver: this step's, per mb
   std::vector<int64_t> recorded_path;  // driver: the last training step's, if uniform
+  // Note [Last hop's gradients]: driver, sticky: some microbatch's last hop accumulated.
+  bool last_hop_grads = false;
   bool nested_seen = false;            // driver: served a request this step
   // Note [Served backward].
   struct Kept {
@@ -726,8 +729,10 @@ struct Dispatcher::Impl {
             std::lock_guard<std::mutex> lock(mu);
             weights_owed = true;  // the driver waits for this step's kWeightsDone
           }
-          const bool ok = words.size() >= 2 &&
-                          install_plan(words[0], std::vector<int64_t>(words.begin() + 1, words.end()));
+          // The driver's words: microbatches, whether its last hop accumulates, the path.
+          const bool ok = words.size() >= 3 &&
+                          install_plan(words[0], std::vector<int64_t>(words.begin() + 2, words.end()),
+                                       words[1] != 0);
           if (ok) p2p->order_token(true);
           else leave_plan();
           bool none_deferred;
@@ -812,9 +817,14 @@ struct Dispatcher::Impl {
     arm_once();  // Note [Arming at the first backward]: before this accumulation
     if (!ordering) return;
     const int64_t mb = p2p->token_microbatch();
-    if (p2p->rank() == 0) backward_begins(mb);
+    bool unplanned_wait = false;
+    if (p2p->rank() == 0) {
+      backward_begins(mb);
+      unplanned_wait = last_hop_accumulation(mb);
+    }
     int64_t below = floor.load();
     if (mb <= below) return;  // also: no task holds the token (-1)
+    if (unplanned_wait) leave_plan();  // Note [Last hop's gradients]
     {
       std::lock_guard<std::mutex> lock(mu);
       stats.ordered_waits++;
@@ -839,6 +849,31 @@ struct Dispatcher::Impl {
     }
   }
 
+  // Note [Last hop's gradients]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // On the driver a microbatch's backward begins with its last hop: loss.backward()
+  // in the step body runs the modules after the last remote call, then sends the first
+  // backward request. Most models' last hop is the loss alone, which accumulates no
+  // gradient there; a head or a tied embedding on the driver does. The plan needs to
+  // know (PlanOptions::last_hop_accumulates): under Note [Gradient order] an
+  // accumulating last hop waits for the previous microbatch's backward on the driver,
+  // so its fused forward must come after it in the plan; one that accumulates nothing
+  // need not, and the next loss is not held back behind a whole backward through the
+  // driver's first stage (it was: the last stage sat idle for it in the drain). The
+  // driver learns it here, at the first accumulation of a microbatch that has made no
+  // backward call yet; it is sticky. A planned step whose last hop accumulates where
+  // its plan said it would not (the first step that shows it) leaves the plan before
+  // it waits: the action it waits for may come after actions that wait for it.
+  // Returns whether this accumulation is such a surprise.
+  bool last_hop_accumulation(int64_t mb) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (mb < 0 || mb >= static_cast<int64_t>(calls.size())) return false;
+    for (const auto& c : calls[mb])
+      if (c.second) return false;  // a backward call made: past the last hop
+    last_hop_grads = true;
+    return plan_on && plan && !plan->options().last_hop_accumulates;
+  }
+
   // After a step that ran backward work: whether it matched the step before (Note
   // [Gradient order]); the next step expects this one's.
   void record_units() {
@@ -852,7 +887,8 @@ struct Dispatcher::Impl {
 
   // Note [Executed plan]: makes `path` this step's plan on this rank; false if the
   // plan cannot be built (then the step runs in the dynamic order).
-  bool install_plan(int64_t microbatches, const std::vector<int64_t>& path) {
+  bool install_plan(int64_t microbatches, const std::vector<int64_t>& path,
+                    bool last_hop_accumulates) {
     const auto& so = schedule.options();
     std::optional<Plan> p;
     try {
@@ -860,6 +896,7 @@ struct Dispatcher::Impl {
                     PlanCosts{}};
       o.gradient_order = true;
       o.fused_last = so.kind != ScheduleKind::kSimple;
+      o.last_hop_accumulates = last_hop_accumulates;  // Note [Last hop's gradients]
       if (so.kind == ScheduleKind::kZeroBubble) o.unsplit_rank = 0;  // the driver's run whole
       p = Plan::compile(o);
     } catch (const std::exception&) {
@@ -1186,12 +1223,14 @@ void Dispatcher::drive(MicrobatchFn run) {
   // Note [Executed plan]: the path the last training step's calls took, as this step's
   // plan, announced to every pp rank before any request.
   std::vector<int64_t> path;
+  bool last_hop_grads = true;
   {
     std::lock_guard<std::mutex> lock(I.mu);
     if (I.plan_wanted) path = I.recorded_path;
+    last_hop_grads = I.last_hop_grads;
   }
-  if (!path.empty() && I.install_plan(n, path)) {
-    std::vector<int64_t> words{n};
+  if (!path.empty() && I.install_plan(n, path, last_hop_grads)) {
+    std::vector<int64_t> words{n, last_hop_grads ? 1 : 0};
     words.insert(words.end(), path.begin(), path.end());
     Message announce;
     announce.mb = -1;

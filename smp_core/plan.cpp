@@ -87,7 +87,11 @@ std::string awaited(const Action& a, const Done& d, int64_t hops, bool simple) {
   return str_cat("F", a.mb, " hop ", a.hop);
 }
 
-int64_t cost_of(const Action& a, const PlanCosts& c) {
+// Note [Last hop's gradients]: a last hop that holds no parameters is the step body's
+// loss after the last remote call; it costs nothing in the plan's units.
+int64_t cost_of(const Action& a, const PlanOptions& o, int64_t hops) {
+  if (!o.last_hop_accumulates && a.hop == hops - 1) return 0;
+  const PlanCosts& c = o.costs;
   switch (a.op) {
     case Op::kForward: return c.forward;
     case Op::kBackward: return c.input + c.weight;
@@ -100,10 +104,13 @@ int64_t cost_of(const Action& a, const PlanCosts& c) {
 // Note [Plan rules] (order): a free rank starts its ready action with the smallest key.
 // simple: forwards first; interleaved and 1f1b: backward first; zero_bubble: I first,
 // then F, and W only when nothing else is ready. Then the earlier microbatch, then the
-// later hop (deeper work first).
-std::tuple<int, int64_t, int64_t> rule_key(PlanKind kind, const Action& a) {
+// later hop (deeper work first). With fused_last the last hop's forward goes before
+// all: it is the loss and the start of the microbatch's backward, which the stage
+// before it waits for (Note [Last hop's gradients]).
+std::tuple<int, int64_t, int64_t> rule_key(const PlanOptions& o, int64_t hops, const Action& a) {
+  if (o.fused_last && a.op == Op::kForward && a.hop == hops - 1) return {-1, a.mb, -a.hop};
   int cls = 0;
-  switch (kind) {
+  switch (o.kind) {
     case PlanKind::kSimple: cls = a.op == Op::kForward ? 0 : 1; break;
     case PlanKind::kInterleaved:
     case PlanKind::k1F1B: cls = a.op == Op::kForward ? 1 : 0; break;
@@ -247,15 +254,23 @@ Plan Plan::compile(PlanOptions options) {
   Done done(m, hops);
   // options.gradient_order: per rank and microbatch, accumulating actions (B, W) not
   // yet started and when the last started one finishes (kNever until all started).
+  // Note [Last hop's gradients]: the last hop's B accumulates only where it holds
+  // parameters.
+  auto accumulating = [&](const Action& a) {
+    return accumulates(a.op) && (a.hop != hops - 1 || options.last_hop_accumulates);
+  };
   std::vector<std::vector<int64_t>> backward_left(ranks, std::vector<int64_t>(m, 0));
   std::vector<std::vector<int64_t>> backward_over(ranks, std::vector<int64_t>(m, kNever));
   for (int64_t r = 0; r < ranks; ++r)
     for (const Action& a : pending[r])
-      if (accumulates(a.op)) ++backward_left[r][a.mb];
+      if (accumulating(a)) ++backward_left[r][a.mb];
+  for (int64_t r = 0; r < ranks; ++r)  // no accumulation of the microbatch here: none to wait for
+    for (int64_t mb = 0; mb < m; ++mb)
+      if (backward_left[r][mb] == 0) backward_over[r][mb] = 0;
   auto waits_for_previous = [&](int64_t r, const Action& a, int64_t now) {
-    if (!options.gradient_order || a.mb == 0 || a.op == Op::kBackwardInput) return false;
+    if (!options.gradient_order || a.mb == 0) return false;
     const bool fused = options.fused_last && a.op == Op::kForward && a.hop == hops - 1;
-    if (a.op == Op::kForward && !fused) return false;
+    if (fused ? !options.last_hop_accumulates : !accumulating(a)) return false;
     return backward_over[r][a.mb - 1] > now;
   };
   std::vector<int64_t> busy_until(ranks, 0);
@@ -278,7 +293,7 @@ Plan Plan::compile(PlanOptions options) {
             (it->mb != started || started - back >= window))
           continue;
         if (bounded && it->op == Op::kForward && held[it->hop] >= hops - it->hop) continue;
-        if (best == pending[r].end() || rule_key(options.kind, *it) < rule_key(options.kind, *best))
+        if (best == pending[r].end() || rule_key(options, hops, *it) < rule_key(options, hops, *best))
           best = it;
       }
       if (best == pending[r].end()) continue;
@@ -289,8 +304,8 @@ Plan Plan::compile(PlanOptions options) {
       if (a.op == Op::kForward) ++held[a.hop];
       if (is_backward_input(a.op)) --held[a.hop];  // its activations are free once I runs
       plan.compute_[r].push_back(a);
-      busy_until[r] = t + cost_of(a, options.costs);
-      if (accumulates(a.op) && --backward_left[r][a.mb] == 0) backward_over[r][a.mb] = busy_until[r];
+      busy_until[r] = t + cost_of(a, options, hops);
+      if (accumulating(a) && --backward_left[r][a.mb] == 0) backward_over[r][a.mb] = busy_until[r];
       running.emplace_back(busy_until[r], a);
       started_any = true;
     }
@@ -357,7 +372,7 @@ Plan::Timing Plan::simulate() const {
       if (busy_until[r] > t || cursor[r] >= compute_[r].size()) continue;
       const Action& a = compute_[r][cursor[r]];
       if (ready_at(a, done, hops, simple) > t) continue;
-      const int64_t c = cost_of(a, options_.costs);
+      const int64_t c = cost_of(a, options_, hops);
       ++cursor[r];
       busy_until[r] = t + c;
       timing.busy[r] += c;

@@ -93,6 +93,13 @@ struct PlanOptions {
   // the forward waits as that backward would.
   bool gradient_order = false;
   bool fused_last = false;
+  // Note [Last hop's gradients]: whether the last hop's backward accumulates gradients
+  // on its rank (the step body's modules after the last remote call hold parameters).
+  // With gradient_order, a last hop that accumulates none neither waits for the
+  // previous microbatch's backward nor counts as backward work there: the loss of
+  // microbatch k + 1 may come before microbatch k's backward through the driver's
+  // first stage.
+  bool last_hop_accumulates = true;
   // zero_bubble: the hops of this pp rank run B, not I and W (-1: every hop splits). At
   // run time the driver's (0): its backward is one autograd call through its modules and
   // the remote calls' nodes (Note [Split backward] in smp_core/detail/split_backward.h

@@ -125,10 +125,11 @@ void bind_pipeline(py::module_& m) {
       .def(py::init([](const std::string& kind, int64_t microbatches, int64_t stages,
                        int64_t active, const std::vector<int64_t>& path,
                        std::tuple<int64_t, int64_t, int64_t> costs, bool gradient_order,
-                       bool fused_last, int64_t unsplit_rank) {
+                       bool fused_last, int64_t unsplit_rank, bool last_hop_accumulates) {
              PlanOptions o;
              o.gradient_order = gradient_order;
              o.fused_last = fused_last;
+             o.last_hop_accumulates = last_hop_accumulates;
              o.unsplit_rank = unsplit_rank;
              o.kind = plan_kind_from_name(kind);
              o.microbatches = microbatches;
@@ -142,11 +143,12 @@ void bind_pipeline(py::module_& m) {
            py::arg("active_microbatches") = 3, py::arg("path") = std::vector<int64_t>{},
            py::arg("costs") = std::make_tuple(int64_t{1}, int64_t{1}, int64_t{1}),
            py::arg("gradient_order") = false, py::arg("fused_last") = false,
-           py::arg("unsplit_rank") = -1,
-           "gradient_order, fused_last, unsplit_rank: the runtime's constraints "
-           "(smp_core/plan.h PlanOptions); the plan the runtime executes has "
-           "gradient_order and fused_last on (not under 'simple') and, for zero_bubble, "
-           "unsplit_rank 0.")
+           py::arg("unsplit_rank") = -1, py::arg("last_hop_accumulates") = true,
+           "gradient_order, fused_last, unsplit_rank, last_hop_accumulates: the runtime's "
+           "constraints (smp_core/plan.h PlanOptions); the plan the runtime executes has "
+           "gradient_order and fused_last on (not under 'simple'), for zero_bubble "
+           "unsplit_rank 0, and last_hop_accumulates as the driver saw it (Note [Last "
+           "hop's gradients]).")
       .def("window", &Plan::window)
       .def("validate", &Plan::validate)
       .def("compute", [](const Plan& p) {

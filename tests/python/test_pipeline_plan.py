@@ -161,6 +161,53 @@ def test_data_dependent_step_leaves_the_plan_and_matches_one_process(ranks, pipe
         assert rep["planned_steps"] == 1 and rep["fallbacks"] == 1, rep
 
 
+HEAD_SOMETIMES = COMMON + r"""
+class HeadSometimes(nn.Module):
+    # The driver's last hop (after pp rank 1's block) runs a Linear only for inputs
+    # whose column 1 is large: then it accumulates gradients on the driver.
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        with smp.partition(1):
+            self.mid = Block(d)
+        self.head = nn.Linear(d, 3)
+    def forward(self, x):
+        h = self.mid(self.inp(x))
+        return self.head(h) if x[0, 1] > 50 else h[:, :3]
+
+smp.init({"partitions": 2, "microbatches": 4, "auto_partition": False, "default_partition": 0,
+          "timeout_s": 20, "pipeline_order": "planned", "pipeline": sys.argv[1]})
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(7)
+batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)) for _ in range(4)]
+batches[1][0][:, 1] = 100.0  # step 2: every microbatch's last hop runs the head
+model = train(HeadSometimes(), batches)
+d = model._engine.dispatch
+st = d.stats()
+print("PLAN " + json.dumps({"rank": smp.rank(), "planned_steps": st.planned_steps,
+                            "fallbacks": st.plan_fallbacks, "planned": d.planned_actions(),
+                            "executed": d.executed_actions()}))
+"""
+
+
+@pytest.mark.parametrize("pipeline", ["1f1b", "interleaved", "zero_bubble"])
+def test_last_hop_that_starts_accumulating_leaves_the_plan(ranks, pipeline):
+    # Note [Last hop's gradients] (smp_core/dispatch.cpp): step 1's last hop on the
+    # driver accumulated nothing, so step 2's plan lets microbatch k + 1's loss come
+    # before microbatch k's backward through pp rank 0. Step 2's last hop accumulates
+    # (the head): its first wait for an earlier microbatch leaves the plan instead of
+    # waiting for an action planned after it. From then on the driver plans the last
+    # hop as accumulating: steps 3 and 4 execute that plan as written, and every step
+    # trains as one process does (train() compares the parameters).
+    reports = _reports(ranks(HEAD_SOMETIMES, 2, args=(pipeline,), timeout=180))
+    for rep in reports:
+        assert rep["planned_steps"] == 3 and rep["fallbacks"] == 1, rep
+        assert rep["executed"] == rep["planned"], rep
+    driver = reports[0]["planned"]
+    for k in range(3):  # the loss of k + 1 after k's backward through pp rank 0
+        assert driver.index(f"B{k}.h0") < driver.index(f"F{k + 1}.h2"), driver
+
+
 # Three steps of `model`; a ValueError is printed with its step and exits 3.
 RUN_THREE_STEPS = r"""
 @smp.step

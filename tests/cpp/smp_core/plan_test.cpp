@@ -55,34 +55,80 @@ TEST(Plan, KindNames) {
 }
 
 // The runtime's constraints (PlanOptions::gradient_order, fused_last; Note [Executed
-// plan]): on every rank a microbatch's backward work starts only after the previous
-// microbatch's is over, and on the last hop's rank so does its fused forward.
+// plan]): on every rank a microbatch's accumulating backward work (B, W) starts only
+// after the previous microbatch's is over, and on the last hop's rank so does its
+// fused forward; a last hop that accumulates nothing (Note [Last hop's gradients])
+// neither waits nor counts, and I never does.
 TEST(Plan, GradientOrderKeepsEachRanksBackwardInMicrobatchOrder) {
-  for (PlanKind kind : {PlanKind::kSimple, PlanKind::kInterleaved, PlanKind::k1F1B})
-    for (const auto& path : std::vector<std::vector<int64_t>>{{0, 1, 0}, {0, 1, 0, 1, 0, 1, 0},
-                                                              {0, 1, 2, 3, 2, 1, 0}})
-      for (int64_t mb : {1, 2, 4, 7}) {
-        const int64_t stages = *std::max_element(path.begin(), path.end()) + 1;
-        PlanOptions o = opts(kind, mb, stages, path);
-        o.gradient_order = true;
-        o.fused_last = kind != PlanKind::kSimple;
-        const Plan plan = Plan::compile(o);
-        EXPECT_NO_THROW(plan.validate());
-        const int64_t last = static_cast<int64_t>(path.size()) - 1;
-        for (int64_t r = 0; r < stages; ++r) {
-          std::map<int64_t, int64_t> left;  // mb -> backward actions not yet seen
-          for (const Action& a : plan.compute()[r])
-            if (a.op != Op::kForward) left[a.mb]++;
-          for (const Action& a : plan.compute()[r]) {
-            const bool waits = a.op != Op::kForward || (o.fused_last && a.hop == last);
-            if (waits && a.mb > 0)
-              EXPECT_EQ(left[a.mb - 1], 0)
-                  << plan_kind_name(kind) << " mb " << mb << " rank " << r << ": " << a.str(true)
-                  << " before microbatch " << a.mb - 1 << "'s backward is over\n" << plan.format();
-            if (a.op != Op::kForward) left[a.mb]--;
+  for (PlanKind kind : kKinds)
+    for (bool last_accumulates : {true, false})
+      for (const auto& path : std::vector<std::vector<int64_t>>{
+               {0, 1, 0}, {0, 1, 0, 1, 0, 1, 0}, {0, 1, 2, 3, 2, 1, 0}})
+        for (int64_t mb : {1, 2, 4, 7}) {
+          const int64_t stages = *std::max_element(path.begin(), path.end()) + 1;
+          PlanOptions o = opts(kind, mb, stages, path);
+          o.gradient_order = true;
+          o.fused_last = kind != PlanKind::kSimple;
+          o.last_hop_accumulates = last_accumulates;
+          if (kind == PlanKind::kZeroBubble) o.unsplit_rank = 0;
+          const Plan plan = Plan::compile(o);
+          EXPECT_NO_THROW(plan.validate());
+          EXPECT_NO_THROW(plan.simulate());
+          const int64_t last = static_cast<int64_t>(path.size()) - 1;
+          auto counts = [&](const Action& a) {
+            return (a.op == Op::kBackward || a.op == Op::kBackwardWeight) &&
+                   (a.hop != last || last_accumulates);
+          };
+          for (int64_t r = 0; r < stages; ++r) {
+            std::map<int64_t, int64_t> left;  // mb -> accumulating actions not yet seen
+            for (const Action& a : plan.compute()[r])
+              if (counts(a)) left[a.mb]++;
+            for (const Action& a : plan.compute()[r]) {
+              const bool fused = o.fused_last && a.op == Op::kForward && a.hop == last;
+              const bool waits = fused ? last_accumulates : counts(a);
+              if (waits && a.mb > 0)
+                EXPECT_EQ(left[a.mb - 1], 0)
+                    << plan_kind_name(kind) << " mb " << mb << " rank " << r << ": "
+                    << a.str(true) << " before microbatch " << a.mb - 1
+                    << "'s backward is over\n" << plan.format();
+              if (counts(a)) left[a.mb]--;
+            }
           }
         }
+}
+
+// Note [Last hop's gradients]: the runtime's plans (path 0, 1, 0) when the driver's
+// last hop is the loss alone. Its forward (the loss and the start of the backward)
+// goes first and costs nothing, so microbatch k + 1's loss may come before microbatch
+// k's backward through pp rank 0, and the modelled bubble shrinks; with a last hop
+// that accumulates, the loss of k + 1 always waits for k's backward there.
+TEST(Plan, LastHopWithoutGradientsGoesFirstAndCostsNothing) {
+  for (PlanKind kind : {PlanKind::kInterleaved, PlanKind::k1F1B, PlanKind::kZeroBubble}) {
+    double bubble[2] = {0, 0};
+    for (bool last_accumulates : {true, false}) {
+      PlanOptions o = opts(kind, 8, 2, {0, 1, 0});
+      o.gradient_order = o.fused_last = true;
+      o.last_hop_accumulates = last_accumulates;
+      if (kind == PlanKind::kZeroBubble) o.unsplit_rank = 0;
+      const Plan plan = Plan::compile(o);
+      bubble[last_accumulates] = plan.simulate().bubble_fraction;
+      std::map<std::string, size_t> at;
+      const auto& driver = plan.compute()[0];
+      for (size_t i = 0; i < driver.size(); ++i) at[driver[i].str(true)] = i;
+      bool early_loss = false;  // some F(k+1).h2 before Bk.h0
+      for (int k = 0; k + 1 < 8; ++k) {
+        const bool early = at.at("F" + std::to_string(k + 1) + ".h2") <
+                           at.at("B" + std::to_string(k) + ".h0");
+        early_loss = early_loss || early;
+        if (last_accumulates) EXPECT_FALSE(early) << plan_kind_name(kind) << "\n" << plan.format();
       }
+      if (!last_accumulates) EXPECT_TRUE(early_loss) << plan_kind_name(kind) << "\n" << plan.format();
+      // The loss hop costs nothing: the driver's busy time is its first stage's work.
+      const int64_t per_mb = 3;  // hop 0: F 1 + B (I 1 + W 1); the driver runs it whole
+      if (!last_accumulates) EXPECT_EQ(plan.simulate().busy[0], 8 * per_mb) << plan_kind_name(kind);
+    }
+    EXPECT_LT(bubble[false], bubble[true]) << plan_kind_name(kind);
+  }
 }
 
 TEST(Plan, BadOptionsNameTheSetting) {

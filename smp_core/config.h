@@ -21,9 +21,9 @@ struct Config {
   // Pipeline schedule: "interleaved" or "simple".
   std::string pipeline = "interleaved";
   // "dynamic": the order adapts to the step's real timing (priorities, receive order);
-  // "planned": from the second training step on, the compiled plan is executed as
-  // written (Note [Executed plan] in smp_core/dispatch.cpp).
-  std::string pipeline_order = "dynamic";
+  // "planned" (the default): from the second training step on, the compiled plan is
+  // executed as written (Note [Executed plan] in smp_core/dispatch.cpp).
+  std::string pipeline_order = "planned";
   // Data parallelism over replicas through smp's reducer.
   bool ddp = false;
   // Rank layout: "cluster" (= "DPT") or "spread" (= "TPD"), or a permutation of D, P, T.

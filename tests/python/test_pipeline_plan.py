@@ -250,11 +250,11 @@ model = smp.DistributedModel(Two())
 FAILS += RUN_THREE_STEPS
 
 
-DYNAMIC = EXECUTE.replace(', pipeline_order="planned"', "")
+DYNAMIC = EXECUTE.replace(', pipeline_order="planned"', ', pipeline_order="dynamic"')
 
 
 def test_dynamic_order_executes_no_plan(ranks):
-    # The default ("dynamic"): the order adapts to the step's timing; no plan is run.
+    # "dynamic": the order adapts to the step's timing; no plan is run.
     cfg = {"partitions": 2, "microbatches": 4}
     for rep in _reports(ranks(DYNAMIC, 2, args=(json.dumps(cfg),), timeout=120)):
         assert rep["planned_steps"] == 0 and rep["executed"] == [], rep

@@ -75,7 +75,8 @@ TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_EQ(Config::from_json(R"({"pipeline": "1f1b"})").pipeline, "1f1b");
   EXPECT_EQ(error_of(R"({"pipeline_order": "static"})"),
             "smp: config 'pipeline_order'='static' is not one of {dynamic, planned}");
-  EXPECT_EQ(Config::from_json(R"({"pipeline_order": "planned"})").pipeline_order, "planned");
+  EXPECT_EQ(Config::from_json(R"({"pipeline_order": "dynamic"})").pipeline_order, "dynamic");
+  EXPECT_EQ(Config::from_json("{}").pipeline_order, "planned");  // every schedule's default
   EXPECT_EQ(error_of(R"({"checkpoint_dir": 3})"), "smp: config 'checkpoint_dir'=3 is not a string");
   EXPECT_EQ(Config::from_json(R"({"checkpoint_dir": "/ckpt"})").checkpoint_dir, "/ckpt");
   EXPECT_EQ(Config().checkpoint_dir, "");

@@ -2,8 +2,10 @@
 // module calls; C++ moves and matches them.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <optional>
+#include <unordered_map>
 
 #include <pybind11/stl.h>
 
@@ -54,6 +56,112 @@ R call_python(const SharedFn& f, Args&&... args) {
     throw std::runtime_error(e.what());
   }
 }
+
+// What a handler returned (a Message, or (Message, inputs, outputs): Note [Served
+// backward]) as the answer, the call's leaves and outputs kept for its backward.
+Message answer_of(const py::object& out, const Message& msg,
+                  const std::shared_ptr<std::weak_ptr<Dispatcher>>& self) {
+  if (!py::isinstance<py::tuple>(out)) return out.cast<Message>();
+  auto t = out.cast<py::tuple>();
+  Message answer = t[0].cast<Message>();
+  auto inputs = t[1].cast<std::vector<at::Tensor>>();
+  auto outputs = t[2].cast<std::vector<at::Tensor>>();
+  if (auto dispatcher = self->lock()) {
+    py::gil_scoped_release nogil;
+    dispatcher->keep_for_backward(msg.src, msg.mb, msg.call_id, std::move(inputs),
+                                  std::move(outputs));
+  }
+  return answer;
+}
+
+// Note [Known forward requests]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A served forward request repeats every microbatch: the same module, the same
+// metadata bytes (module name, argument layout, requires-grad flags, grad mode, the
+// subtree's mode flags). The first of a step goes through Python (Engine.serve: decode,
+// apply the mode flags, call, encode), which then registers its metadata here with the
+// module to call (smp/pipeline.py, Engine._know). The next requests with the same
+// bytes are served from here: the received tensors made leaves as flagged, grad mode
+// set, smp.task's microbatch set for nested calls, the module called, its single
+// tensor output answered (any other output goes to Python's encoder), and the call's
+// leaves and output kept for its backward, as Python's path does. That takes ~70 us
+// of Python glue per request off the compute token. Python clears every entry when a
+// step begins (the user may switch modes between steps) and the entries whose
+// subtree its own path touches; it registers nothing while the timeline or a task
+// context (instrumentation) is on. Every access holds the GIL, which orders them.
+struct KnownForwards {
+  struct Entry {
+    py::object module;
+    std::vector<bool> requires_grad;
+    bool grad = false;
+  };
+  std::unordered_map<std::string, Entry> entries;
+  py::object task;       // smp.task.current: its `mb` and `backward` are the thread's
+  py::object on_output;  // (msg, out, inputs, grad) -> a handler's answer
+  py::object on_error;   // (msg, exc) -> the ERROR Message
+  std::string one_tensor[2];  // a single output's metadata, by its requires_grad
+  double forward_s = 0;       // in the modules called from here
+  int64_t served = 0;
+
+  std::optional<Message> serve(const Message& msg,
+                               const std::shared_ptr<std::weak_ptr<Dispatcher>>& self) {
+    if (msg.kind != kRequest) return std::nullopt;
+    auto it = entries.find(msg.meta);
+    if (it == entries.end() || it->second.requires_grad.size() != msg.tensors.size())
+      return std::nullopt;
+    const py::object module = it->second.module;  // on_output may change `entries`
+    const bool grad = it->second.grad;
+    std::vector<at::Tensor> inputs = msg.tensors;
+    py::tuple args(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (grad && it->second.requires_grad[i]) inputs[i].requires_grad_(true);
+      args[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(inputs[i]));
+    }
+    const py::object prev_mb = task.attr("mb"), prev_backward = task.attr("backward");
+    task.attr("mb") = py::int_(msg.mb);
+    task.attr("backward") = py::bool_(false);
+    struct Restore {
+      const py::object& task;
+      const py::object &mb, &backward;
+      ~Restore() {
+        task.attr("mb") = mb;
+        task.attr("backward") = backward;
+      }
+    } restore{task, prev_mb, prev_backward};
+    py::object out;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      at::AutoGradMode mode(grad);
+      out = module(*args);
+    } catch (py::error_already_set& e) {
+      forward_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const py::object exc = e.value();  // with its traceback, as Python's path has it
+      if (e.trace() && !e.trace().is_none()) PyException_SetTraceback(exc.ptr(), e.trace().ptr());
+      return on_error(msg, exc).cast<Message>();
+    }
+    forward_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++served;
+    if (!THPVariable_Check(out.ptr())) {  // not one tensor: Python encodes it
+      py::list leaves;
+      for (const at::Tensor& t : inputs) leaves.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
+      return answer_of(on_output(msg, out, leaves, grad), msg, self);
+    }
+    const at::Tensor result = THPVariable_Unpack(out.ptr());
+    Message answer;
+    answer.mb = msg.mb;
+    answer.call_id = msg.call_id;
+    answer.kind = kResponse;
+    answer.meta = one_tensor[result.requires_grad() ? 1 : 0];
+    answer.tensors = {result.detach()};
+    if (grad) {
+      if (auto dispatcher = self->lock()) {
+        py::gil_scoped_release nogil;
+        dispatcher->keep_for_backward(msg.src, msg.mb, msg.call_id, std::move(inputs), {result});
+      }
+    }
+    return answer;
+  }
+};
 
 bool python_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -268,11 +376,42 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("split_backwards", &Dispatcher::Stats::split_backwards)
       .def_readonly("weight_actions", &Dispatcher::Stats::weight_actions)
       .def_readonly("backward_s", &Dispatcher::Stats::backward_s);
+  // Note [Known forward requests].
+  py::class_<KnownForwards, std::shared_ptr<KnownForwards>>(m, "KnownForwards")
+      .def(py::init([](py::object task, py::object on_output, py::object on_error,
+                       const py::bytes& one_tensor, const py::bytes& one_tensor_grad) {
+             auto k = std::shared_ptr<KnownForwards>(new KnownForwards(), [](KnownForwards* p) {
+               if (python_finalizing()) return;  // its Python objects outlive it then
+               py::gil_scoped_acquire gil;
+               delete p;
+             });
+             k->task = std::move(task);
+             k->on_output = std::move(on_output);
+             k->on_error = std::move(on_error);
+             k->one_tensor[0] = one_tensor;
+             k->one_tensor[1] = one_tensor_grad;
+             return k;
+           }),
+           py::arg("task"), py::arg("on_output"), py::arg("on_error"), py::arg("one_tensor"),
+           py::arg("one_tensor_grad"))
+      .def("add",
+           [](KnownForwards& k, const py::bytes& meta, py::object module,
+              std::vector<bool> requires_grad, bool grad) {
+             k.entries[std::string(meta)] = {std::move(module), std::move(requires_grad), grad};
+           },
+           py::arg("meta"), py::arg("module"), py::arg("requires_grad"), py::arg("grad"))
+      .def("remove", [](KnownForwards& k, const py::bytes& meta) { k.entries.erase(std::string(meta)); })
+      .def("clear", [](KnownForwards& k) { k.entries.clear(); })
+      .def("__len__", [](const KnownForwards& k) { return k.entries.size(); })
+      .def_readonly("forward_s", &KnownForwards::forward_s)
+      .def_readonly("served", &KnownForwards::served);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
                        py::function handler, py::object spawn, py::object encode_error,
-                       py::object raise_error) {
+                       py::object raise_error, py::object known_forwards) {
              auto h = share(std::move(handler));
+             std::shared_ptr<KnownForwards> known;
+             if (!known_forwards.is_none()) known = known_forwards.cast<std::shared_ptr<KnownForwards>>();
              // `spawn`: a TaskPool (C++ threads, Note [Task threads]) or a Python
              // callable `spawn(fn)` that runs fn on a thread of its own.
              Dispatcher::Spawn run_on;
@@ -302,27 +441,21 @@ void bind_pipeline(py::module_& m) {
              auto self = std::make_shared<std::weak_ptr<Dispatcher>>();
              auto d = std::make_shared<Dispatcher>(
                  std::move(p2p), schedule,
-                 [h, self](const Message& msg) {
+                 [h, self, known](const Message& msg) {
                    py::gil_scoped_acquire gil;
                    py::object out;
                    try {
-                     out = (*h)(msg);
-                     if (!py::isinstance<py::tuple>(out)) return out.cast<Message>();
-                     auto t = out.cast<py::tuple>();
-                     Message answer = t[0].cast<Message>();
-                     auto inputs = t[1].cast<std::vector<at::Tensor>>();
-                     auto outputs = t[2].cast<std::vector<at::Tensor>>();
-                     if (auto dispatcher = self->lock()) {
-                       py::gil_scoped_release nogil;
-                       dispatcher->keep_for_backward(msg.src, msg.mb, msg.call_id,
-                                                     std::move(inputs), std::move(outputs));
+                     if (known) {  // Note [Known forward requests]
+                       if (auto answer = known->serve(msg, self)) return std::move(*answer);
                      }
-                     return answer;
+                     out = (*h)(msg);
+                     return answer_of(out, msg, self);
                    } catch (py::error_already_set& e) {
                      throw std::runtime_error(e.what());
                    } catch (const py::builtin_exception&) {
                      throw std::runtime_error("smp: the pipeline's handler returned " +
-                                              std::string(py::str(py::repr(out))) +
+                                              (out ? std::string(py::str(py::repr(out)))
+                                                   : std::string("an answer")) +
                                               ", not a Message or (Message, inputs, outputs)");
                    }
                  },
@@ -349,7 +482,8 @@ void bind_pipeline(py::module_& m) {
              return d;
            }),
            py::arg("p2p"), py::arg("schedule"), py::arg("handler"), py::arg("spawn"),
-           py::arg("encode_error") = py::none(), py::arg("raise_error") = py::none())
+           py::arg("encode_error") = py::none(), py::arg("raise_error") = py::none(),
+           py::arg("known_forwards") = py::none())
       .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"),
            py::arg("deterministic") = false, py::arg("rng_cuda") = false,
            py::arg("planned") = true, release())

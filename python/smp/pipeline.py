@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from smp import _C, core, groups, log, placement
 from smp.nested import TensorSlot, map_leaves, unflatten
-from smp.remote_call import Call, encode_outputs, encode_request, request_plan
+from smp.remote_call import ONE_TENSOR, Call, encode_outputs, encode_request, request_plan
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
 from smp.timeline import timeline
@@ -120,8 +120,14 @@ class Engine:
         # applied by the C++ dispatcher, which hands this engine the work to run.
         self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, core.pp_size(),
                                     self.cfg.active_microbatches)
+        # Note [Known forward requests] (python/csrc/bind_pipeline.cpp): a request whose
+        # metadata this rank served this step already runs without this engine's Python.
+        self.known = _C.KnownForwards(_task, self._known_answer, self._known_failed,
+                                      ONE_TENSOR[False], ONE_TENSOR[True])
+        self._known_meta = {}  # module name -> the metadata registered for it
         self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self._handle,
-                                      self.threads, _encode_error, self._raise_answer)
+                                      self.threads, _encode_error, self._raise_answer,
+                                      self.known)
         # Note [Served backward] (smp_core/dispatch.h): a served forward that recorded a
         # graph leaves its inputs and outputs to the dispatcher, which serves the call's
         # backward in C++; a failure there comes back here to be answered.
@@ -149,7 +155,7 @@ class Engine:
     @property
     def compute_s(self):
         """Seconds spent in served modules' own forward and backward on this rank."""
-        return self._forward_s + self.dispatch.stats().backward_s
+        return self._forward_s + self.known.forward_s + self.dispatch.stats().backward_s
 
     def order_gradients(self, params):
         """Note [Gradient order] (smp_core/dispatch.h): `params`, the parameters this
@@ -232,10 +238,15 @@ class Engine:
             with self._task_context():
                 return self.serve(msg)
         except BaseException as exc:  # the caller re-raises it with our traceback
-            self.own_errors.append(exc)  # See Note [One traceback per error]
-            return _C.Message(msg.mb, msg.call_id, K.ERROR, error_payload(exc), [])
+            return self._known_failed(msg, exc)
         finally:
             _task.mb, _task.backward = prev
+
+    def _known_failed(self, msg, exc):
+        """The ERROR answer of request `msg`, whose module raised `exc` (also for Note
+        [Known forward requests])."""
+        self.own_errors.append(exc)  # See Note [One traceback per error]
+        return _C.Message(msg.mb, msg.call_id, K.ERROR, error_payload(exc), [])
 
     def _backward_failed(self, exc, mb, weight):
         """Note [Served backward]: the ERROR answer's payload for a call of microbatch
@@ -258,7 +269,9 @@ class Engine:
             raise RuntimeError(f"smp: pp rank {core.pp_rank()} got the backward of call "
                                f"{msg.call_id} (microbatch {msg.mb}) from pp rank {msg.src}, "
                                "whose forward recorded no autograd graph here")
-        name, skeleton, requires_grad, grad, flags, positional = request_plan(msg.meta)
+        meta = msg.meta
+        name, skeleton, requires_grad, grad, flags, positional = request_plan(meta)
+        self._forget(name)  # its subtree's modes may change here
         placement.apply_mode_flags(self.subtrees[name], flags)
         with timeline.span(f"fwd {name}", mb=msg.mb):
             inputs = [t.requires_grad_() if rg and grad else t
@@ -271,11 +284,36 @@ class Engine:
             with torch.set_grad_enabled(grad):
                 out = self.owned[name](*args, **kwargs)
             self._forward_s += time.perf_counter() - t
-            outs = []
-            meta = encode_outputs(out, outs)
-            answer = _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta,
-                                [t.detach() for t in outs])
+            answer = self._known_answer(msg, out, inputs, grad)
+        if (positional and isinstance(out, torch.Tensor) and not timeline.enabled
+                and Engine.task_context is None):
+            self._know(name, meta, requires_grad, grad)
+        return answer
+
+    def _known_answer(self, msg, out, inputs, grad):
+        """The answer to request `msg` whose module returned `out`: the RESPONSE, with
+        the call's leaves and outputs when it recorded a graph (Note [Served
+        backward])."""
+        outs = []
+        meta = encode_outputs(out, outs)
+        answer = _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta, [t.detach() for t in outs])
         return (answer, inputs, outs) if grad else answer
+
+    # Note [Known forward requests] (python/csrc/bind_pipeline.cpp): the entries Python
+    # registers, one per module name, and forgets whenever a subtree's modes may change.
+    def _know(self, name, meta, requires_grad, grad):
+        self.known.add(meta, self.owned[name], list(requires_grad), grad)
+        self._known_meta[name] = meta
+
+    def _forget(self, name):
+        """Forgets the entries of `name` and of any module name whose subtree shares a
+        module with it (applying `name`'s mode flags may change theirs)."""
+        if not self._known_meta:
+            return
+        mine = {id(m) for m in self.subtrees[name]}
+        for other in [n for n in self._known_meta
+                      if n == name or mine.intersection(id(m) for m in self.subtrees[n])]:
+            self.known.remove(self._known_meta.pop(other))
 
     # --- the step ---------------------------------------------------------------------
 
@@ -285,6 +323,9 @@ class Engine:
     def run_step(self, fn, mb_inputs):
         """Runs one step; returns (per-microbatch results, whether backward ran) on
         every pp rank (the driver sends both with STEP_END)."""
+        # Note [Known forward requests]: modes may have changed between steps.
+        self.known.clear()
+        self._known_meta.clear()
         self.counters.clear()
         self.own_errors = []
         self._backward_ran = False

@@ -54,7 +54,9 @@ def _plan(meta):
     return (name, skeleton, requires_grad, grad, flags, positional)
 
 
-_ONE_TENSOR = {rg: pickle.dumps((TensorSlot(0), [rg])) for rg in (False, True)}
+# A single tensor output's RESPONSE metadata, by its requires_grad (also used by Note
+# [Known forward requests] in python/csrc/bind_pipeline.cpp).
+ONE_TENSOR = {rg: pickle.dumps((TensorSlot(0), [rg])) for rg in (False, True)}
 
 
 def encode_request(name, args, kwargs, tensors, grad, flags):
@@ -76,7 +78,7 @@ def encode_outputs(out, outs):
     """The RESPONSE metadata for module output `out`; appends its tensors to `outs`."""
     if isinstance(out, torch.Tensor):  # the usual case: one tensor
         outs.append(out)
-        return _ONE_TENSOR[out.requires_grad]
+        return ONE_TENSOR[out.requires_grad]
     skeleton = flatten(out, outs)
     return pickle.dumps((skeleton, [t.requires_grad for t in outs]))
 

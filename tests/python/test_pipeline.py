@@ -460,3 +460,63 @@ print("crossings", json.dumps({"rank": smp.pp_rank(), "per_mb": per_mb, "native"
             # Note [Served backward]: every backward request of the 3 steps x 8
             # microbatches ran in C++; only the forward requests entered Python.
             assert got["native"] == 24 and got["per_mb"] < 2, got
+
+
+def test_known_forward_requests_serve_repeats_and_follow_mode_switches(ranks):
+    # Note [Known forward requests] (python/csrc/bind_pipeline.cpp): the first forward
+    # request of a step with given metadata goes through Python, the others of the step
+    # are served from C++. A BatchNorm on pp rank 1 must see the mode of each step
+    # (train, eval under no_grad, train again), and its running statistics and every
+    # parameter must equal one process's.
+    script = MODELS + r"""
+import copy, json
+class Norm(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        with smp.partition(1):
+            self.mid = nn.Sequential(nn.Linear(d, d), nn.BatchNorm1d(d), nn.Tanh())
+        self.head = nn.Linear(d, 3)
+    def forward(self, x):
+        return self.head(self.mid(self.inp(x)))
+smp.init({"partitions": 2, "microbatches": 4, "auto_partition": False,
+          "default_partition": 0})
+torch.manual_seed(0)
+net = Norm()
+ref = copy.deepcopy(net)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+model = smp.DistributedModel(net)
+opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05))
+@smp.step
+def train(x, y):
+    loss = nn.functional.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+@smp.step
+def evaluate(x):
+    return model(x)
+g = torch.Generator().manual_seed(11)
+for phase in ["train", "train", "eval", "train"]:
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
+    if phase == "eval":
+        model.eval(); ref.eval()
+        with torch.no_grad():
+            got = evaluate(x).concat()
+            want = torch.cat([ref(xm) for xm in x.chunk(4)])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model.train(); ref.train()
+        continue
+    train(x, y)
+    opt.step(); opt.zero_grad()
+    sum(nn.functional.mse_loss(ref(xm), ym) for xm, ym in zip(x.chunk(4), y.chunk(4))).div(4).backward()
+    ref_opt.step(); ref_opt.zero_grad()
+full = model.state_dict()
+for k, v in ref.state_dict().items():  # running_mean, running_var, num_batches_tracked too
+    torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+print("known", json.dumps({"rank": smp.pp_rank(), "served": model._engine.known.served}))
+"""
+    for r in ranks(script, 2, timeout=120):
+        got = json.loads(r.stdout.split("known", 1)[1].splitlines()[0])
+        # Pp rank 1 serves 4 forward requests a step: the first through Python, the
+        # other 3 from C++, in each of the 4 steps. The driver serves none.
+        assert got["served"] == (3 * 4 if got["rank"] == 1 else 0), got

@@ -322,6 +322,8 @@ def torch_pipelining(steps, split, malloc=None):
             best["ms"][name] = ms
             best["errors"].pop(name, None)
             best["loss0"][name] = runs[1]["loss0"][name]
+    if "teardown" in runs[1]["errors"]:
+        best["errors"].setdefault("teardown", runs[1]["errors"]["teardown"])
     return best
 
 
@@ -331,9 +333,17 @@ def _torch_pipelining(steps, split, malloc, bind):
     out = subprocess.run(cmd, env=_python_env(malloc), capture_output=True, text=True,
                          timeout=600)
     line = [ln for ln in out.stdout.splitlines() if "RESULT " in ln]
-    if out.returncode or not line:
+    if not line:
         sys.exit(f"torch pipelining run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(line[0].split("RESULT ", 1)[1])
+    result = json.loads(line[0].split("RESULT ", 1)[1])
+    if out.returncode:
+        # Seen about once in ten runs: a torch rank aborts in its teardown, after every
+        # schedule was timed and the figures gathered ("terminate called without an
+        # active exception" at destroy_process_group). The figures stand; the line says so.
+        result["errors"]["teardown"] = (f"exit status {out.returncode} after the result"
+                                        f"{' (ranks bound)' if bind else ''}: "
+                                        f"{out.stderr.strip().splitlines()[-1][:200]}")
+    return result
 
 
 def parallel_efficiency(steps, malloc):

@@ -27,6 +27,10 @@ work. Timed steps run without instrumentation; peak activation memory is measure
 separate steps with saved-tensor hooks. The reference work includes each rank's
 optimizer step, which every side's timed step ends with.
 
+`fraction_of_ceiling` is that best step over each schedule's step (issue 21's figure),
+in the default order, where every schedule executes its plan; `smp_dynamic_schedule_ms`
+has the dynamic order's steps.
+
 The pp ranks run bound to their own cores (smprun --bind_cores, Note [Core binding] in
 launcher/rank_process.h), as a user tuning for speed would run them; the torch peer's
 figure for each schedule is its best of a bound and an unbound run.
@@ -295,9 +299,12 @@ def smprun(nproc, bind):
     return cmd + ["--bind_cores"] if bind and nproc <= len(os.sched_getaffinity(0)) else cmd
 
 
-def pipelined(steps, schedule, malloc=None, dp=1, overlap=True, order="dynamic", bind=True):
-    cfg = {"partitions": S, "microbatches": M, "pipeline": schedule, "ddp": dp > 1,
-           "pipeline_order": order}
+def pipelined(steps, schedule, malloc=None, dp=1, overlap=True, order=None, bind=True):
+    """smp's run of `schedule`, in config 'pipeline_order' `order` (None: the default,
+    "planned")."""
+    cfg = {"partitions": S, "microbatches": M, "pipeline": schedule, "ddp": dp > 1}
+    if order:
+        cfg["pipeline_order"] = order
     cmd = smprun(S * dp, bind) + ["--config", json.dumps(cfg), __file__, "--role", "pp",
                                   "--steps", str(steps)]
     if not overlap:
@@ -414,6 +421,8 @@ def main():
         # rank's work plus the fill and drain (one microbatch of stage 0's work).
         works = [statistics.median(p["work_ms"][r] for p in pipes) for r in range(S)]
         best_ms = max(works) + works[0] / M
+        if mode == "default":
+            ceiling_ms = best_ms
         sfx = "" if mode == "default" else "_" + mode + "_malloc"
         out.update(peer_figures(peers, smp_ms, singles[0]["loss0"], sfx))
         if "torch_pp_best_ms" + sfx in out:  # what no overhead at all would give
@@ -456,31 +465,32 @@ def main():
     simple = pipelined(args.steps, "simple")
     out["peak_act_mb_simple"] = [round(v, 1) for v in simple["peak_act_mb"]]
     # Each schedule smp runs, one run each (the interleaved figure is the rounds' median
-    # above), and the plans' modelled bubble (smp_core/plan.h, costs F = I = W = 1).
-    # zero_bubble always executes its plan (its W go where the plan puts them).
-    one_f_one_b = pipelined(args.steps, "1f1b")
-    zero_bubble = pipelined(args.steps, "zero_bubble", order="planned")
-    out["smp_schedule_ms"] = {"interleaved": out["smp_ms"], "simple": round(simple["ms"], 1),
-                              "1f1b": round(one_f_one_b["ms"], 1),
-                              "zero_bubble": round(zero_bubble["ms"], 1)}
-    # The same schedules executed as planned (config 'pipeline_order' "planned": the
-    # compiled plan's order, action for action, with unit costs; docs/pipeline.md).
-    planned_runs = {kind: pipelined(args.steps, kind, order="planned")
-                    for kind in ("interleaved", "simple", "1f1b")}
-    planned_runs["zero_bubble"] = zero_bubble
-    out["smp_planned_schedule_ms"] = {k: round(v["ms"], 1) for k, v in planned_runs.items()}
+    # above), in the default order (each executes its plan: Note [Executed plan]), and
+    # the dynamic order where the schedule has one (zero_bubble places its W by plan).
+    runs = {"simple": simple, "1f1b": pipelined(args.steps, "1f1b"),
+            "zero_bubble": pipelined(args.steps, "zero_bubble")}
+    out["smp_schedule_ms"] = {"interleaved": out["smp_ms"],
+                              **{k: round(v["ms"], 1) for k, v in runs.items()}}
+    out["smp_dynamic_schedule_ms"] = {
+        kind: round(pipelined(args.steps, kind, order="dynamic")["ms"], 1)
+        for kind in ("interleaved", "simple", "1f1b")}
+    # Issue 21's figure: the best step this machine allows (the ceiling above: the
+    # slowest rank's own work, optimizer step included, plus one microbatch of fill and
+    # drain) over each schedule's step, in the default order.
+    out["ceiling_ms"] = round(ceiling_ms, 1)
+    out["fraction_of_ceiling"] = {k: round(ceiling_ms / v, 3)
+                                  for k, v in out["smp_schedule_ms"].items()}
     # Each side's best schedule, as a user of either would pick it (`ratio` keeps smp's
     # default, "interleaved").
     if out.get("torch_pp_best_ms"):
-        best = min(list(out["smp_schedule_ms"].items()) + list(out["smp_planned_schedule_ms"].items()),
+        best = min(list(out["smp_schedule_ms"].items()) + list(out["smp_dynamic_schedule_ms"].items()),
                    key=lambda kv: kv[1])
         out["smp_best_schedule"] = best[0]
         out["ratio_best_schedules"] = round(best[1] / out["torch_pp_best_ms"], 3)
     # Measured bubble: the share of a step each pp rank's compute token sat idle, mean
     # over the ranks; zero_bubble's against 1F1B's, both executed as planned.
     out["measured_bubble_fraction"] = {
-        k: round(1 - statistics.mean(planned_runs[k]["token_busy"]), 3)
-        for k in ("1f1b", "zero_bubble")}
+        k: round(1 - statistics.mean(runs[k]["token_busy"]), 3) for k in ("1f1b", "zero_bubble")}
     sys.path.insert(0, os.path.join(BUILD, "python"))
     from smp import _C
     out["plan_bubble_fraction"] = {

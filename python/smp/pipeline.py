@@ -484,4 +484,7 @@ class Engine:
     def shutdown(self):
         self.threads.stop()
         self.dispatch = None  # it holds this engine's handler: break the cycle
+        self.known.clear()  # its entries hold modules, its callbacks this engine
+        self.known = None
+        self._known_meta = {}
         self.p2p = None

@@ -40,7 +40,8 @@ LocalGroup::LocalGroup(const LaunchOptions& options, const EnvMap& base_env, int
     : options_(options),
       base_env_(base_env),
       master_port_(master_port),
-      cores_(usable_cores()),
+      cpus_(usable_cpu_list()),
+      cores_(static_cast<int>(cpus_.size())),
       console_(options.log_dir.empty() || options.tee) {}
 
 LocalGroup::~LocalGroup() {
@@ -80,7 +81,7 @@ std::string LocalGroup::start(int attempt) {
     EnvMap env = rank_environment(base_env_, options_, l, attempt, master_port_, cores_);
     std::string error;
     const std::vector<int> cpus =
-        options_.bind_cores ? rank_cpu_block(usable_cpu_list(), options_.nproc_per_node, l)
+        options_.bind_cores ? rank_cpu_block(cpus_, options_.nproc_per_node, l)
                             : std::vector<int>();
     slot->pid = spawn_rank(options_.command, env, out[1], err[1], &error, cpus);
     close(out[1]);

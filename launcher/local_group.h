@@ -71,6 +71,7 @@ class LocalGroup {
   const LaunchOptions& options_;
   EnvMap base_env_;
   int master_port_;
+  std::vector<int> cpus_;  // usable_cpu_list(), read once
   int cores_;
   bool console_;
   std::vector<std::unique_ptr<Slot>> slots_;

@@ -12,14 +12,6 @@
 
 namespace smp::launcher {
 
-int usable_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? static_cast<int>(n) : 1;
-}
-
 std::vector<int> usable_cpu_list() {
   std::vector<int> cpus;
   cpu_set_t set;
@@ -29,10 +21,13 @@ std::vector<int> usable_cpu_list() {
       if (CPU_ISSET(c, &set)) cpus.push_back(c);
   }
   if (cpus.empty()) {
-    for (int c = 0; c < usable_cores(); ++c) cpus.push_back(c);
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    for (int c = 0; c < std::max(1L, n); ++c) cpus.push_back(c);
   }
   return cpus;
 }
+
+int usable_cores() { return static_cast<int>(usable_cpu_list().size()); }
 
 std::vector<int> rank_cpu_block(const std::vector<int>& cpus, int nproc, int local_rank) {
   const int n = static_cast<int>(cpus.size());

@@ -13,7 +13,7 @@
 
 namespace smp::launcher {
 
-// CPUs this launcher may run on (sched_getaffinity), at least 1.
+// How many CPUs this launcher may run on: usable_cpu_list()'s size, at least 1.
 int usable_cores();
 
 // Note [Core binding]
@@ -27,7 +27,8 @@ int usable_cores();
 // alike (the bench binds both). The affinity is set in the child before exec, so every
 // thread the rank starts inherits it. Fewer CPUs than ranks is an error at launch.
 //
-// The CPUs this launcher may run on, in increasing order.
+// The CPUs this launcher may run on (sched_getaffinity; else 0 .. the CPUs online - 1),
+// in increasing order, at least one.
 std::vector<int> usable_cpu_list();
 // Local rank `local_rank`'s block of `cpus` among `nproc` ranks (empty if there are
 // fewer CPUs than ranks: bind_cores_error says so).

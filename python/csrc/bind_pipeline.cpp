@@ -163,6 +163,8 @@ struct KnownForwards {
   }
 };
 
+}  // namespace
+
 bool python_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsFinalizing();
@@ -170,8 +172,6 @@ bool python_finalizing() {
   return _Py_IsFinalizing();
 #endif
 }
-
-}  // namespace
 
 void bind_pipeline(py::module_& m) {
   using release = py::call_guard<py::gil_scoped_release>;

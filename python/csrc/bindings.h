@@ -6,6 +6,7 @@ namespace smp::python {
 void bind_core(pybind11::module_& m);       // config, topology, runtime, object comm
 void bind_partition(pybind11::module_& m);  // partition planner
 void bind_pipeline(pybind11::module_& m);   // p2p engine of the pipeline
+void bind_calls(pybind11::module_& m);      // the caller's side of remote calls (Calls)
 void bind_reducer(pybind11::module_& m);    // gradient reducer, GradBucket, comm hooks
 void bind_join(pybind11::module_& m);       // Join protocol of uneven inputs (JoinProtocol)
 void bind_checkpoint(pybind11::module_& m);  // checkpoint files (CheckpointError, Manifest)
@@ -16,4 +17,8 @@ void bind_launcher(pybind11::module_& m);    // launcher/'s SLURM parsing (smp.i
 // Seconds a binding's collective may wait when the caller gives none: the runtime's
 // timeout_s after smp.init, else 300 (bind_reducer.cpp).
 double default_timeout();
+
+// Whether the interpreter is finalizing: an object holding Python references that
+// is destroyed then must not take the GIL (bind_pipeline.cpp).
+bool python_finalizing();
 }  // namespace smp::python

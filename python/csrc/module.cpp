@@ -6,6 +6,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "smp C++ core";
   smp::python::bind_core(m);
   smp::python::bind_pipeline(m);
+  smp::python::bind_calls(m);
   smp::python::bind_reducer(m);
   smp::python::bind_join(m);
   smp::python::bind_powersgd(m);

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from smp import _C, core, groups, log, placement
 from smp.nested import TensorSlot, map_leaves, unflatten
-from smp.remote_call import ONE_TENSOR, Call, encode_outputs, encode_request, request_plan
+from smp.remote_call import (ONE_TENSOR, Call, anchor, decode, encode_outputs, encode_request,
+                             rebuild, request_plan)
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
 from smp.timeline import timeline
@@ -104,7 +105,6 @@ class Engine:
         self.owned = {}        # module name -> module (served here)
         self.subtrees = {}     # module name -> its subtree's modules (mode flags)
         self.own_errors = []   # this step's exceptions raised here while serving
-        self.counters = {}     # mb -> next call id
         self.lock = threading.Lock()
         self.epoch = 0
         # Seconds this rank spent in served modules' own forward (the backward's is the
@@ -132,6 +132,13 @@ class Engine:
         # graph leaves its inputs and outputs to the dispatcher, which serves the call's
         # backward in C++; a failure there comes back here to be answered.
         self.dispatch.set_failure_encoder(self._backward_failed)
+        # Note [Known calls] (python/csrc/bind_calls.cpp): `engine.call(name, owner,
+        # args, kwargs)`, which placement routes every remote module's call to, is C++;
+        # it hands what it does not know to `_call_python`, and numbers every call.
+        self.calls = _C.Calls(self.dispatch, self, _task, encode_request, decode, rebuild,
+                              anchor(), ONE_TENSOR[False], ONE_TENSOR[True],
+                              core.pp_rank() * _CALL_ID_STRIDE)
+        self.call = self.calls
         self.dispatch.record_spans(timeline.enabled)
         self._forwards_first = self.schedule.forwards_before_backwards()
         self._planned = self.cfg.pipeline_order == "planned"
@@ -182,12 +189,6 @@ class Engine:
                                          self.epoch, where, core.rank(), type(exc).__name__,
                                          exc, table.rstrip("\n"))
 
-    def _next_call_id(self, mb):
-        with self.lock:
-            n = self.counters.get(mb, 0)
-            self.counters[mb] = n + 1
-        return core.pp_rank() * _CALL_ID_STRIDE + n
-
     # --- caller side ------------------------------------------------------------------
 
     def call_remote(self, owner, request, kind, what):
@@ -208,8 +209,9 @@ class Engine:
         C++ backward of a remote call: Dispatcher.raise_answer)."""
         raise_remote(meta, self.own_error)
 
-    def call(self, name, owner, args, kwargs):
-        """Runs module `name` on pp rank `owner` for the current microbatch."""
+    def _call_python(self, name, owner, args, kwargs):
+        """Runs module `name` on pp rank `owner` for the current microbatch: the calls
+        that Note [Known calls] hands back (any argument layout, the timeline on)."""
         mb = _task.mb
         if mb is None:
             raise RuntimeError(f"smp: module '{name}' lives on pp rank {owner}; call the "
@@ -218,13 +220,11 @@ class Engine:
         tensors = []
         meta = encode_request(name, args, kwargs, tensors, grad,
                               placement.mode_flags(self.subtrees[name]))
-        call = Call(self, name, owner, mb, self._next_call_id(mb), meta)
+        call = Call(self, name, owner, mb, self.calls.next_id(mb), meta)
         outs = call.forward(tensors)
         if grad:
             outs = call.connect(tensors, outs)
-        if type(call.out_skeleton) is TensorSlot:  # one tensor returned
-            return outs[call.out_skeleton.index]
-        return unflatten(call.out_skeleton, list(outs))
+        return rebuild(call.out_skeleton, outs)
 
     # --- owner side -------------------------------------------------------------------
 
@@ -326,11 +326,12 @@ class Engine:
         # Note [Known forward requests]: modes may have changed between steps.
         self.known.clear()
         self._known_meta.clear()
-        self.counters.clear()
+        self.calls.clear_ids()
         self.own_errors = []
         self._backward_ran = False
         self._open_epoch()
         timeline.begin_step()  # SMP_TIMELINE_STEPS counts the pipelined steps
+        self.calls.enabled = not timeline.enabled  # Python's path records the spans
         # Deterministic: a microbatch's random numbers do not depend on timing, the
         # schedule or the partitioning (Note [Microbatch random streams] in
         # smp_core/task_rng.h), and gradients sum in microbatch order (Note [Gradient
@@ -484,6 +485,7 @@ class Engine:
     def shutdown(self):
         self.threads.stop()
         self.dispatch = None  # it holds this engine's handler: break the cycle
+        self.calls.close()  # it holds this engine and the dispatcher
         self.known.clear()  # its entries hold modules, its callbacks this engine
         self.known = None
         self._known_meta = {}

@@ -8,7 +8,7 @@ import torch
 
 from smp import _C
 from smp.memo import Memo
-from smp.nested import TensorSlot, flatten
+from smp.nested import TensorSlot, flatten, unflatten
 from smp.timeline import timeline
 
 __all__ = []
@@ -88,6 +88,13 @@ def decode(meta):
     argument structure, flags) repeats every microbatch and every step. Only values made
     of immutable scalars are cached (a fresh object each time otherwise)."""
     return _DECODED.get(meta, lambda: pickle.loads(meta), keep=_shareable)
+
+
+def rebuild(skeleton, outs):
+    """What the module returned, from its answer's skeleton and output tensors."""
+    if type(skeleton) is TensorSlot:  # one tensor returned
+        return outs[skeleton.index]
+    return unflatten(skeleton, list(outs))
 
 
 def anchor():

@@ -520,3 +520,87 @@ print("known", json.dumps({"rank": smp.pp_rank(), "served": model._engine.known.
         # Pp rank 1 serves 4 forward requests a step: the first through Python, the
         # other 3 from C++, in each of the 4 steps. The driver serves none.
         assert got["served"] == (3 * 4 if got["rank"] == 1 else 0), got
+
+
+def test_known_calls_take_cpp_and_hand_the_rest_to_python(ranks):
+    # Note [Known calls] (python/csrc/bind_calls.cpp): on the driver, a call with its
+    # tensors passed positionally is made in C++, whatever it returns; keyword
+    # arguments and a tensor passed twice go to Python's path. Both paths number their
+    # calls from one counter, in one microbatch. A subtree switched to eval between
+    # steps, and evaluation under no_grad, change the request's metadata. Every
+    # parameter, running statistic and output must equal one process's.
+    script = MODELS + r"""
+import copy, json
+class Pair(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+    def forward(self, x, y):
+        return self.a(x), torch.tanh(self.b(y))
+class Scaled(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+    def forward(self, x, scale=1.0):
+        return self.lin(x) * scale
+class Twice(nn.Module):
+    def forward(self, x, y):
+        return x * y
+class Mixed(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        with smp.partition(1):
+            self.mid = nn.Sequential(nn.Linear(d, d), nn.BatchNorm1d(d), nn.Tanh())
+            self.pair = Pair(d)
+            self.scaled = Scaled(d)
+            self.twice = Twice()
+        self.head = nn.Linear(d, 3)
+    def forward(self, x):
+        h = self.mid(self.inp(x))
+        a, b = self.pair(h, h + 1)
+        h = self.scaled(a + b, scale=0.5) + self.twice(b, b)
+        return self.head(h)
+smp.init({"partitions": 2, "microbatches": 4, "auto_partition": False,
+          "default_partition": 0})
+torch.manual_seed(0)
+net = Mixed()
+ref = copy.deepcopy(net)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+model = smp.DistributedModel(net)
+opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05))
+@smp.step
+def train(x, y):
+    loss = nn.functional.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+@smp.step
+def evaluate(x):
+    return model(x)
+g = torch.Generator().manual_seed(5)
+for phase in ["train", "train", "mid_eval", "eval", "train"]:
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
+    if phase == "eval":
+        model.eval(); ref.eval()
+        with torch.no_grad():
+            got = evaluate(x).concat()
+            want = torch.cat([ref(xm) for xm in x.chunk(4)])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model.train(); ref.train()
+        continue
+    for m in (net, ref):
+        m.mid.train(phase != "mid_eval")
+    train(x, y)
+    opt.step(); opt.zero_grad()
+    sum(nn.functional.mse_loss(ref(xm), ym) for xm, ym in zip(x.chunk(4), y.chunk(4))).div(4).backward()
+    ref_opt.step(); ref_opt.zero_grad()
+full = model.state_dict()
+for k, v in ref.state_dict().items():
+    torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+print("calls", json.dumps({"rank": smp.pp_rank(), "fast": model._engine.calls.fast_calls}))
+"""
+    for r in ranks(script, 2, timeout=120):
+        got = json.loads(r.stdout.split("calls", 1)[1].splitlines()[0])
+        # The driver's `mid` and `pair` calls, 4 microbatches x 5 steps; `scaled`
+        # (keyword) and `twice` (b passed twice) went to Python's path.
+        assert got["fast"] == (2 * 4 * 5 if got["rank"] == 0 else 0), got

@@ -891,16 +891,24 @@ struct Dispatcher::Impl {
                     bool last_hop_accumulates) {
     const auto& so = schedule.options();
     std::optional<Plan> p;
-    try {
-      PlanOptions o{plan_kind_of(so.kind), microbatches, so.stages, so.active_microbatches, path,
-                    PlanCosts{}};
-      o.gradient_order = true;
-      o.fused_last = so.kind != ScheduleKind::kSimple;
-      o.last_hop_accumulates = last_hop_accumulates;  // Note [Last hop's gradients]
-      if (so.kind == ScheduleKind::kZeroBubble) o.unsplit_rank = 0;  // the driver's run whole
-      p = Plan::compile(o);
-    } catch (const std::exception&) {
-      return false;
+    {  // the last step's, again (Note [Plan search] may take milliseconds to compile)
+      std::lock_guard<std::mutex> lock(mu);
+      if (plan && plan->options().path == path && plan->options().microbatches == microbatches &&
+          plan->options().last_hop_accumulates == last_hop_accumulates)
+        p = plan;
+    }
+    if (!p) {
+      try {
+        PlanOptions o{plan_kind_of(so.kind), microbatches, so.stages, so.active_microbatches,
+                      path, PlanCosts{}};
+        o.gradient_order = true;
+        o.fused_last = so.kind != ScheduleKind::kSimple;
+        o.last_hop_accumulates = last_hop_accumulates;  // Note [Last hop's gradients]
+        if (so.kind == ScheduleKind::kZeroBubble) o.unsplit_rank = 0;  // the driver's run whole
+        p = Plan::compile(o);
+      } catch (const std::exception&) {
+        return false;
+      }
     }
     const int64_t me = p2p->rank();
     const int64_t last = static_cast<int64_t>(path.size()) - 1;

@@ -106,14 +106,16 @@ int64_t cost_of(const Action& a, const PlanOptions& o, int64_t hops) {
 // then F, and W only when nothing else is ready. Then the earlier microbatch, then the
 // later hop (deeper work first). With fused_last the last hop's forward goes before
 // all: it is the loss and the start of the microbatch's backward, which the stage
-// before it waits for (Note [Last hop's gradients]).
-std::tuple<int, int64_t, int64_t> rule_key(const PlanOptions& o, int64_t hops, const Action& a) {
+// before it waits for (Note [Last hop's gradients]). `forwards_first`: interleaved and
+// 1f1b with forwards first on this rank (Note [Plan search]).
+std::tuple<int, int64_t, int64_t> rule_key(const PlanOptions& o, int64_t hops, const Action& a,
+                                           bool forwards_first = false) {
   if (o.fused_last && a.op == Op::kForward && a.hop == hops - 1) return {-1, a.mb, -a.hop};
   int cls = 0;
   switch (o.kind) {
     case PlanKind::kSimple: cls = a.op == Op::kForward ? 0 : 1; break;
     case PlanKind::kInterleaved:
-    case PlanKind::k1F1B: cls = a.op == Op::kForward ? 1 : 0; break;
+    case PlanKind::k1F1B: cls = (a.op == Op::kForward) != forwards_first ? 1 : 0; break;
     case PlanKind::kZeroBubble:  // B (an unsplit hop) goes with I
       cls = is_backward_input(a.op) ? 0 : a.op == Op::kForward ? 1 : 2;
       break;
@@ -229,12 +231,60 @@ bool Plan::hop_labels() const {
   return false;
 }
 
+// Note [Plan search]
+// ~~~~~~~~~~~~~~~~~~
+// List scheduling with one fixed rule is greedy: a rank that runs a ready backward
+// before a ready forward can leave the next rank without work a moment later. At pp=2,
+// 8 microbatches, on the path 0, 1, 0 of a loss on the driver, 1f1b's rule gave 29
+// slots where an exhaustive search of every order within 1F1B's window finds 27 (the
+// ceiling: each rank's 24 slots of work plus one microbatch's fill and drain).
+// interleaved and 1f1b promise a window (memory), not the order within it, so
+// compile() also schedules them with forwards first on some ranks (every subset of
+// ranks up to 6 pp ranks; each rank alone and all of them beyond) and keeps the list
+// of the fewest slots under the plan's costs, the kind's own rule on a tie. The search
+// is deterministic: every rank compiles the same plan. simple (forwards first by
+// definition) and zero_bubble (whose W fills the bubbles) keep their one rule.
+Plan Plan::compile(PlanOptions options) {
+  check_options(options);
+  Plan best = schedule(options, {});
+  if (!options.search ||
+      (options.kind != PlanKind::kInterleaved && options.kind != PlanKind::k1F1B))
+    return best;
+  const int64_t ranks = options.stages;
+  std::vector<std::vector<bool>> masks;
+  if (ranks <= 6) {
+    for (int64_t bits = 1; bits < (int64_t{1} << ranks); ++bits) {
+      masks.emplace_back(ranks);
+      for (int64_t r = 0; r < ranks; ++r) masks.back()[r] = (bits >> r) & 1;
+    }
+  } else {
+    for (int64_t r = 0; r < ranks; ++r) {
+      masks.emplace_back(ranks, false);
+      masks.back()[r] = true;
+    }
+    masks.emplace_back(ranks, true);
+  }
+  int64_t best_slots = best.simulate().makespan;
+  for (const auto& mask : masks) {
+    try {
+      Plan p = schedule(options, mask);
+      const int64_t slots = p.simulate().makespan;
+      if (slots < best_slots) {
+        best = std::move(p);
+        best_slots = slots;
+      }
+    } catch (const std::logic_error&) {  // this rule deadlocks on the path: not a candidate
+    }
+  }
+  return best;
+}
+
 // Note [Plan rules]: list scheduling. Time runs in cost units; whenever a rank is
 // free it starts, of its actions whose dependencies are done, the one with the
 // smallest rule key. The driver starts microbatches in order and only while fewer
 // than window() are in flight (a microbatch leaves when its backward is back at hop 0).
-Plan Plan::compile(PlanOptions options) {
-  check_options(options);
+// `forwards_first`: per rank, empty for none (Note [Plan search]).
+Plan Plan::schedule(const PlanOptions& options, const std::vector<bool>& forwards_first) {
   const auto path = resolve_path(options);
   const int64_t m = options.microbatches, hops = static_cast<int64_t>(path.size());
   const int64_t ranks = options.stages;
@@ -293,7 +343,9 @@ Plan Plan::compile(PlanOptions options) {
             (it->mb != started || started - back >= window))
           continue;
         if (bounded && it->op == Op::kForward && held[it->hop] >= hops - it->hop) continue;
-        if (best == pending[r].end() || rule_key(options, hops, *it) < rule_key(options, hops, *best))
+        const bool ff = !forwards_first.empty() && forwards_first[r];
+        if (best == pending[r].end() ||
+            rule_key(options, hops, *it, ff) < rule_key(options, hops, *best, ff))
           best = it;
       }
       if (best == pending[r].end()) continue;

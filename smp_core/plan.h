@@ -14,7 +14,8 @@
 //
 // Plans are compiled by list scheduling: time advances in units of work (`costs`), and
 // whenever a rank is free it starts its ready action of highest rank under the kind's
-// rule (Note [Plan rules]). validate() runs any plan, compiled or written by hand, with
+// rule (Note [Plan rules]); interleaved and 1f1b keep the shortest of several rules'
+// lists (Note [Plan search]). validate() runs any plan, compiled or written by hand, with
 // processes modelled as cursors over the lists and says what is wrong: an action run
 // twice, missing, on the wrong rank, before what it needs (a deadlock: every rank's
 // next action waits on another's), or more microbatches in flight than the window.
@@ -106,6 +107,9 @@ struct PlanOptions {
   // splits a served call only). With gradient_order, only what accumulates (B, W)
   // waits for the previous microbatch's; I does not.
   int64_t unsplit_rank = -1;
+  // Note [Plan search] (plan.cpp): interleaved and 1f1b keep the shortest of several
+  // rules' lists; false: the kind's own rule alone.
+  bool search = true;
 };
 
 class Plan {
@@ -152,6 +156,9 @@ class Plan {
 
  private:
   Plan(PlanOptions options, std::vector<int64_t> path, std::vector<std::vector<Action>> compute);
+  // One list scheduling of `options` (Note [Plan rules]), with forwards first on the
+  // ranks `forwards_first` marks (Note [Plan search]).
+  static Plan schedule(const PlanOptions& options, const std::vector<bool>& forwards_first);
   bool hop_labels() const;  // some rank is visited more than once
   bool splits(int64_t hop) const;  // zero_bubble runs I and W at this hop
   std::vector<Op> hop_ops(int64_t hop) const;  // a microbatch's compute actions at `hop`

@@ -233,8 +233,10 @@ void bind_pipeline(py::module_& m) {
       .def(py::init([](const std::string& kind, int64_t microbatches, int64_t stages,
                        int64_t active, const std::vector<int64_t>& path,
                        std::tuple<int64_t, int64_t, int64_t> costs, bool gradient_order,
-                       bool fused_last, int64_t unsplit_rank, bool last_hop_accumulates) {
+                       bool fused_last, int64_t unsplit_rank, bool last_hop_accumulates,
+                       bool search) {
              PlanOptions o;
+             o.search = search;
              o.gradient_order = gradient_order;
              o.fused_last = fused_last;
              o.last_hop_accumulates = last_hop_accumulates;
@@ -252,11 +254,12 @@ void bind_pipeline(py::module_& m) {
            py::arg("costs") = std::make_tuple(int64_t{1}, int64_t{1}, int64_t{1}),
            py::arg("gradient_order") = false, py::arg("fused_last") = false,
            py::arg("unsplit_rank") = -1, py::arg("last_hop_accumulates") = true,
+           py::arg("search") = true,
            "gradient_order, fused_last, unsplit_rank, last_hop_accumulates: the runtime's "
            "constraints (smp_core/plan.h PlanOptions); the plan the runtime executes has "
            "gradient_order and fused_last on (not under 'simple'), for zero_bubble "
            "unsplit_rank 0, and last_hop_accumulates as the driver saw it (Note [Last "
-           "hop's gradients]).")
+           "hop's gradients]). search: Note [Plan search] (false: the kind's rule alone).")
       .def("window", &Plan::window)
       .def("validate", &Plan::validate)
       .def("compute", [](const Plan& p) {

@@ -230,6 +230,30 @@ TEST(Plan, OneFOneBWindowCountsTheHopBackToTheDriver) {
   }
 }
 
+// Note [Plan search]: with the loss on the driver (path 0, 1, 0), 1f1b's own rule (a
+// ready backward first, everywhere) leaves each rank idle mid-step. The search keeps
+// 1F1B's window and finds the ceiling: pp rank 1 cannot start before the driver's
+// first forward, runs all its work, and the driver's last backward follows its last.
+TEST(Plan, SearchReachesTheCeilingWithinTheWindow) {
+  for (PlanKind kind : {PlanKind::k1F1B, PlanKind::kInterleaved}) {
+    PlanOptions o = opts(kind, 8, 2, {0, 1, 0}, 4);
+    o.gradient_order = o.fused_last = true;
+    o.last_hop_accumulates = false;
+    const Plan searched = Plan::compile(o);
+    o.search = false;
+    const Plan rule = Plan::compile(o);
+    SCOPED_TRACE(searched.format());
+    searched.validate();
+    const auto timing = searched.simulate();
+    const int64_t backward = o.costs.input + o.costs.weight;
+    EXPECT_EQ(timing.makespan, o.costs.forward + timing.busy[1] + backward);
+    EXPECT_LE(timing.makespan, rule.simulate().makespan);
+    if (kind == PlanKind::k1F1B) EXPECT_LT(timing.makespan, rule.simulate().makespan);
+    EXPECT_EQ(searched.window(), rule.window());
+    for (int64_t r = 0; r < 2; ++r) EXPECT_LE(peak_in_flight(searched, r), peak_in_flight(rule, r));
+  }
+}
+
 // The defining shape of 1F1B (Narayanan et al., PipeDream-Flush): pp rank s runs
 // min(S - s, M) forwards, then alternates one backward and one forward while forwards
 // are left, then the remaining backwards; so it holds at most S - s microbatches.

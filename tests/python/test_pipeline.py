@@ -462,6 +462,46 @@ print("crossings", json.dumps({"rank": smp.pp_rank(), "per_mb": per_mb, "native"
             assert got["native"] == 24 and got["per_mb"] < 2, got
 
 
+# The tail of a pp=2 x 4-microbatch script that trains `net` (defined before it) through
+# `PHASES` (a list of "train", "eval", or any other name a `before(phase)` defined before
+# it may act on, then train) beside a copy of it in one process, evaluation under
+# no_grad checked on the spot, and every parameter and buffer compared at the end.
+AGAINST_ONE_PROCESS = r"""
+before = globals().get("before", lambda phase: None)
+ref = copy.deepcopy(net)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+model = smp.DistributedModel(net)
+opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05))
+@smp.step
+def train(x, y):
+    loss = nn.functional.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+@smp.step
+def evaluate(x):
+    return model(x)
+g = torch.Generator().manual_seed(SEED)
+for phase in PHASES:
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
+    if phase == "eval":
+        model.eval(); ref.eval()
+        with torch.no_grad():
+            got = evaluate(x).concat()
+            want = torch.cat([ref(xm) for xm in x.chunk(4)])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model.train(); ref.train()
+        continue
+    before(phase)
+    train(x, y)
+    opt.step(); opt.zero_grad()
+    sum(nn.functional.mse_loss(ref(xm), ym) for xm, ym in zip(x.chunk(4), y.chunk(4))).div(4).backward()
+    ref_opt.step(); ref_opt.zero_grad()
+full = model.state_dict()
+for k, v in ref.state_dict().items():  # running_mean, running_var, num_batches_tracked too
+    torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+"""
+
+
 def test_known_forward_requests_serve_repeats_and_follow_mode_switches(ranks):
     # Note [Known forward requests] (python/csrc/bind_pipeline.cpp): the first forward
     # request of a step with given metadata goes through Python, the others of the step
@@ -483,36 +523,8 @@ smp.init({"partitions": 2, "microbatches": 4, "auto_partition": False,
           "default_partition": 0})
 torch.manual_seed(0)
 net = Norm()
-ref = copy.deepcopy(net)
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-model = smp.DistributedModel(net)
-opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05))
-@smp.step
-def train(x, y):
-    loss = nn.functional.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
-@smp.step
-def evaluate(x):
-    return model(x)
-g = torch.Generator().manual_seed(11)
-for phase in ["train", "train", "eval", "train"]:
-    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
-    if phase == "eval":
-        model.eval(); ref.eval()
-        with torch.no_grad():
-            got = evaluate(x).concat()
-            want = torch.cat([ref(xm) for xm in x.chunk(4)])
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        model.train(); ref.train()
-        continue
-    train(x, y)
-    opt.step(); opt.zero_grad()
-    sum(nn.functional.mse_loss(ref(xm), ym) for xm, ym in zip(x.chunk(4), y.chunk(4))).div(4).backward()
-    ref_opt.step(); ref_opt.zero_grad()
-full = model.state_dict()
-for k, v in ref.state_dict().items():  # running_mean, running_var, num_batches_tracked too
-    torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+PHASES, SEED = ["train", "train", "eval", "train"], 11
+""" + AGAINST_ONE_PROCESS + r"""
 print("known", json.dumps({"rank": smp.pp_rank(), "served": model._engine.known.served}))
 """
     for r in ranks(script, 2, timeout=120):
@@ -565,38 +577,11 @@ smp.init({"partitions": 2, "microbatches": 4, "auto_partition": False,
           "default_partition": 0})
 torch.manual_seed(0)
 net = Mixed()
-ref = copy.deepcopy(net)
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-model = smp.DistributedModel(net)
-opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05))
-@smp.step
-def train(x, y):
-    loss = nn.functional.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
-@smp.step
-def evaluate(x):
-    return model(x)
-g = torch.Generator().manual_seed(5)
-for phase in ["train", "train", "mid_eval", "eval", "train"]:
-    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
-    if phase == "eval":
-        model.eval(); ref.eval()
-        with torch.no_grad():
-            got = evaluate(x).concat()
-            want = torch.cat([ref(xm) for xm in x.chunk(4)])
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        model.train(); ref.train()
-        continue
+PHASES, SEED = ["train", "train", "mid_eval", "eval", "train"], 5
+def before(phase):
     for m in (net, ref):
         m.mid.train(phase != "mid_eval")
-    train(x, y)
-    opt.step(); opt.zero_grad()
-    sum(nn.functional.mse_loss(ref(xm), ym) for xm, ym in zip(x.chunk(4), y.chunk(4))).div(4).backward()
-    ref_opt.step(); ref_opt.zero_grad()
-full = model.state_dict()
-for k, v in ref.state_dict().items():
-    torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+""" + AGAINST_ONE_PROCESS + r"""
 print("calls", json.dumps({"rank": smp.pp_rank(), "fast": model._engine.calls.fast_calls}))
 """
     for r in ranks(script, 2, timeout=120):

@@ -497,14 +497,13 @@ def main():
         kind: round(_C.Plan(kind, M, S, S + 2).simulate()["bubble_fraction"], 3)
         for kind in ("simple", "interleaved", "1f1b", "zero_bubble")}
     # The plans the runtime executes on this bench's path (the driver holds the first
-    # and last stages: 0, 1, 0), with its constraints (the driver's backward whole; its
-    # last hop, the loss, accumulates no gradient: Note [Last hop's gradients]).
+    # and last stages: 0, 1, 0), with its constraints and costs (Note [Executed plan];
+    # the loss accumulates no gradient: Note [Last hop's gradients]).
     path = [0] + [p for s_ in range(1, S) for p in (s_, 0)]
     out["runtime_plan_bubble_fraction"] = {
-        kind: round(_C.Plan(kind, M, S, S + 2, path, (1, 1, 1), True, True,
-                            0 if kind == "zero_bubble" else -1,
-                            False).simulate()["bubble_fraction"], 3)
-        for kind in ("interleaved", "1f1b", "zero_bubble")}
+        kind: round(_C.Plan.executed(kind, M, S, S + 2, path, False)
+                    .simulate()["bubble_fraction"], 3)
+        for kind in ("simple", "interleaved", "1f1b", "zero_bubble")}
     # pp=2 x dp=2 with ddp: the dp reduction overlapping the pipeline's backward (Note
     # [Pipeline overlap]) against reducing after the step, alternated in one run. Four
     # ranks share two cores here, so this measures the scheduling, not a speedup.

@@ -899,13 +899,9 @@ struct Dispatcher::Impl {
     }
     if (!p) {
       try {
-        PlanOptions o{plan_kind_of(so.kind), microbatches, so.stages, so.active_microbatches,
-                      path, PlanCosts{}};
-        o.gradient_order = true;
-        o.fused_last = so.kind != ScheduleKind::kSimple;
-        o.last_hop_accumulates = last_hop_accumulates;  // Note [Last hop's gradients]
-        if (so.kind == ScheduleKind::kZeroBubble) o.unsplit_rank = 0;  // the driver's run whole
-        p = Plan::compile(o);
+        p = Plan::compile(executed_plan_options(plan_kind_of(so.kind), microbatches, so.stages,
+                                                so.active_microbatches, path,
+                                                last_hop_accumulates));
       } catch (const std::exception&) {
         return false;
       }

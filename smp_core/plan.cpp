@@ -192,6 +192,22 @@ Plan::Plan(PlanOptions options, std::vector<int64_t> path,
            std::vector<std::vector<Action>> compute)
     : options_(std::move(options)), path_(std::move(path)), compute_(std::move(compute)) {}
 
+PlanOptions executed_plan_options(PlanKind kind, int64_t microbatches, int64_t stages,
+                                  int64_t active_microbatches, std::vector<int64_t> path,
+                                  bool last_hop_accumulates) {
+  PlanOptions o;
+  o.kind = kind;
+  o.microbatches = microbatches;
+  o.stages = stages;
+  o.active_microbatches = active_microbatches;
+  o.path = std::move(path);
+  o.gradient_order = true;
+  o.fused_last = kind != PlanKind::kSimple;
+  o.last_hop_accumulates = last_hop_accumulates;
+  if (kind == PlanKind::kZeroBubble) o.unsplit_rank = 0;  // the driver's hops run whole
+  return o;
+}
+
 Plan Plan::from_lists(PlanOptions options, std::vector<std::vector<Action>> compute) {
   check_options(options);
   auto path = resolve_path(options);

@@ -112,6 +112,14 @@ struct PlanOptions {
   bool search = true;
 };
 
+// The options of the plan the runtime executes (Note [Executed plan] in dispatch.cpp)
+// for a `path` of the driver's calls: unit costs and the runtime's constraints
+// (gradient order; the loss fused with its backward, except under simple; the driver's
+// hops unsplit under zero_bubble; Note [Last hop's gradients]).
+PlanOptions executed_plan_options(PlanKind kind, int64_t microbatches, int64_t stages,
+                                  int64_t active_microbatches, std::vector<int64_t> path,
+                                  bool last_hop_accumulates);
+
 class Plan {
  public:
   // Throws ConfigError naming the bad option, or std::logic_error if the kind's rule

@@ -260,6 +260,19 @@ void bind_pipeline(py::module_& m) {
            "gradient_order and fused_last on (not under 'simple'), for zero_bubble "
            "unsplit_rank 0, and last_hop_accumulates as the driver saw it (Note [Last "
            "hop's gradients]). search: Note [Plan search] (false: the kind's rule alone).")
+      .def_static("executed",
+                  [](const std::string& kind, int64_t microbatches, int64_t stages, int64_t active,
+                     const std::vector<int64_t>& path, bool last_hop_accumulates) {
+                    return Plan::compile(executed_plan_options(plan_kind_from_name(kind),
+                                                               microbatches, stages, active, path,
+                                                               last_hop_accumulates));
+                  },
+                  py::arg("kind"), py::arg("microbatches"), py::arg("stages"),
+                  py::arg("active_microbatches"), py::arg("path"),
+                  py::arg("last_hop_accumulates"),
+                  "The plan the runtime executes for the driver's calls `path` (Note "
+                  "[Executed plan]): its constraints and costs, smp_core/plan.h "
+                  "executed_plan_options.")
       .def("window", &Plan::window)
       .def("validate", &Plan::validate)
       .def("compute", [](const Plan& p) {

@@ -198,13 +198,7 @@ void bind_calls(py::module_& m) {
              Calls::Helpers h{std::move(engine), std::move(task), std::move(encode_request),
                               std::move(decode), std::move(unflatten), std::move(anchor),
                               {one_tensor, one_tensor_grad}};
-             // Its Python objects are dropped with the GIL held, unless Python is gone.
-             return std::shared_ptr<Calls>(
-                 new Calls(std::move(dispatcher), std::move(h), id_base), [](Calls* p) {
-                   if (python_finalizing()) return;  // its Python objects outlive it then
-                   py::gil_scoped_acquire gil;
-                   delete p;
-                 });
+             return python_owned(new Calls(std::move(dispatcher), std::move(h), id_base));
            }),
            py::arg("dispatcher"), py::arg("engine"), py::arg("task"),
            py::arg("encode_request"), py::arg("decode"), py::arg("unflatten"),

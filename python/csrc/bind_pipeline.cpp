@@ -396,11 +396,7 @@ void bind_pipeline(py::module_& m) {
   py::class_<KnownForwards, std::shared_ptr<KnownForwards>>(m, "KnownForwards")
       .def(py::init([](py::object task, py::object on_output, py::object on_error,
                        const py::bytes& one_tensor, const py::bytes& one_tensor_grad) {
-             auto k = std::shared_ptr<KnownForwards>(new KnownForwards(), [](KnownForwards* p) {
-               if (python_finalizing()) return;  // its Python objects outlive it then
-               py::gil_scoped_acquire gil;
-               delete p;
-             });
+             auto k = python_owned(new KnownForwards());
              k->task = std::move(task);
              k->on_output = std::move(on_output);
              k->on_error = std::move(on_error);

@@ -1,5 +1,7 @@
 // Registration functions of the smp._C submodules, one per source folder.
 #pragma once
+#include <memory>
+
 #include <torch/csrc/utils/pybind.h>
 
 namespace smp::python {
@@ -21,4 +23,16 @@ double default_timeout();
 // Whether the interpreter is finalizing: an object holding Python references that
 // is destroyed then must not take the GIL (bind_pipeline.cpp).
 bool python_finalizing();
+
+// `p`, an object holding Python references that C++ threads may share, owned by a
+// shared_ptr that deletes it with the GIL held, and leaves it be while the interpreter
+// finalizes (its Python objects outlive it then).
+template <typename T>
+std::shared_ptr<T> python_owned(T* p) {
+  return std::shared_ptr<T>(p, [](T* q) {
+    if (python_finalizing()) return;
+    pybind11::gil_scoped_acquire gil;
+    delete q;
+  });
+}
 }  // namespace smp::python

@@ -6,12 +6,17 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstddef>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 #include "smp_core/detail/auth.h"
@@ -35,7 +40,15 @@ std::string mesh_context(uint64_t mesh_id, int64_t lower, int64_t higher) {
   return str_cat("smp-mesh ", mesh_id, " ", lower, " ", higher);
 }
 
+int domain_of(int fd) {
+  int domain = AF_UNSPEC;
+  socklen_t len = sizeof domain;
+  getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len);
+  return domain;
+}
+
 std::string peer_address(int fd) {
+  if (domain_of(fd) == AF_UNIX) return "a local socket";
   sockaddr_in sa{};
   socklen_t len = sizeof sa;
   char text[INET_ADDRSTRLEN] = "?";
@@ -51,7 +64,7 @@ int remaining_ms(Clock::time_point deadline) {
 
 void configure(int fd, double timeout_s) {
   int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (domain_of(fd) != AF_UNIX) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   int bytes = kBufferBytes;
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
@@ -59,6 +72,66 @@ void configure(int fd, double timeout_s) {
   tv.tv_sec = static_cast<time_t>(timeout_s);
   tv.tv_usec = static_cast<suseconds_t>((timeout_s - static_cast<double>(tv.tv_sec)) * 1e6);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+// An address's TCP part ("ip:port") and its local socket, if any (Listener::address()).
+struct Address {
+  std::string tcp, local_name, local_host;
+};
+
+Address split(const std::string& address) {
+  Address a;
+  const auto space = address.find(' ');
+  a.tcp = address.substr(0, space);
+  if (space == std::string::npos) return a;
+  const std::string rest = address.substr(space + 1);
+  const auto at = rest.rfind('@');
+  SMP_CHECK(rest.rfind("local=", 0) == 0 && at != std::string::npos, "p2p: bad address '",
+            address, "'");
+  a.local_name = rest.substr(6, at - 6);
+  a.local_host = rest.substr(at + 1);
+  return a;
+}
+
+// This host's identity for Note [Local sockets]: its boot id and this process's
+// network namespace (an abstract socket is reachable only within one). Empty if either
+// is unknown: then no local socket is offered or used.
+const std::string& host_identity() {
+  static const std::string id = [] {
+    std::string boot;
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    if (!(f >> boot)) return std::string();
+    char ns[128] = {};
+    const ssize_t n = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+    if (n <= 0) return std::string();
+    std::string out = boot + "/" + std::string(ns, static_cast<size_t>(n));
+    for (char& c : out)
+      if (c == ' ' || c == '@') c = '_';
+    return out;
+  }();
+  return id;
+}
+
+sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  SMP_CHECK(name.size() + 1 < sizeof sa.sun_path, "p2p: local socket name too long");
+  std::memcpy(sa.sun_path + 1, name.data(), name.size());  // sun_path[0] = 0: abstract
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return sa;
+}
+
+// A connection to a peer's local socket, or -1 (the caller goes on by TCP).
+int connect_local(const Address& a) {
+  if (a.local_name.empty() || host_identity().empty() || a.local_host != host_identity())
+    return -1;
+  socklen_t len = 0;
+  const sockaddr_un sa = abstract_address(a.local_name, &len);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&sa), len) == 0) return fd;
+  close(fd);
+  return -1;
 }
 
 sockaddr_in parse(const std::string& address) {
@@ -72,8 +145,15 @@ sockaddr_in parse(const std::string& address) {
   return sa;
 }
 
-// Connects to `address`, retrying while the peer is not listening yet.
-int connect_to(const std::string& address, Clock::time_point deadline) {
+// Connects to `address`, retrying while the peer is not listening yet: by its local
+// socket where it offers one on this host (Note [Local sockets]), else by TCP.
+int connect_to(const std::string& full_address, bool local, Clock::time_point deadline) {
+  const Address parts = split(full_address);
+  if (local) {
+    const int fd = connect_local(parts);
+    if (fd >= 0) return fd;
+  }
+  const std::string& address = parts.tcp;
   sockaddr_in sa = parse(address);
   while (true) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -112,7 +192,16 @@ std::string local_address_toward(const std::string& host) {
   return out;
 }
 
-Listener::Listener(const std::string& host) {
+bool local_sockets_enabled() {
+  const char* v = std::getenv("SMP_P2P_LOCAL_SOCKET");
+  if (v == nullptr || std::strcmp(v, "1") == 0) return true;
+  if (std::strcmp(v, "0") == 0) return false;
+  throw ConfigError(str_cat("smp: environment variable SMP_P2P_LOCAL_SOCKET='", v,
+                            "' is not one of {0, 1} (1: ranks on one host connect by a "
+                            "local socket; 0: every pipeline connection uses TCP)"));
+}
+
+Listener::Listener(const std::string& host, bool local) : host_(host) {
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1)
@@ -127,10 +216,30 @@ Listener::Listener(const std::string& host) {
     throw CommError("smp: p2p: cannot listen for pipeline connections on " + host + ": " + why);
   }
   port_ = ntohs(sa.sin_port);
+  if (!local || host_identity().empty()) return;
+  // Unique on this host: the pid, and this process's count of listeners.
+  static std::atomic<int64_t> count{0};
+  local_name_ = str_cat("smp-mesh-", getpid(), "-", count++, "-", port_);
+  socklen_t ulen = 0;
+  const sockaddr_un ua = abstract_address(local_name_, &ulen);
+  local_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (local_fd_ >= 0 && (bind(local_fd_, reinterpret_cast<const sockaddr*>(&ua), ulen) != 0 ||
+                         listen(local_fd_, 128) != 0)) {
+    close(local_fd_);  // none offered: peers connect by TCP
+    local_fd_ = -1;
+  }
+  if (local_fd_ < 0) local_name_.clear();
 }
 
 Listener::~Listener() {
   if (fd_ >= 0) close(fd_);
+  if (local_fd_ >= 0) close(local_fd_);
+}
+
+std::string Listener::address() const {
+  std::string out = str_cat(host_, ":", port_);
+  if (local_fd_ >= 0) out += str_cat(" local=", local_name_, "@", host_identity());
+  return out;
 }
 
 std::vector<int> connect_mesh(Listener& listener, int rank,
@@ -145,7 +254,7 @@ std::vector<int> connect_mesh(Listener& listener, int rank,
   };
   try {
     for (int peer = 0; peer < rank; ++peer) {
-      int fd = connect_to(addresses[peer], deadline);
+      int fd = connect_to(addresses[peer], listener.local_fd() >= 0, deadline);
       fds[peer] = fd;
       configure(fd, timeout_s);
       int64_t hello[3] = {kHelloMagic, static_cast<int64_t>(nonce), rank};
@@ -155,13 +264,14 @@ std::vector<int> connect_mesh(Listener& listener, int rank,
           fd, key, "mesh", mesh_context(nonce, peer, rank),
           std::max(0.001, remaining_ms(deadline) / 1000.0));
       if (!why.empty())
-        throw CommError(str_cat("smp: p2p: pp rank ", peer, " at ", addresses[peer],
+        throw CommError(str_cat("smp: p2p: pp rank ", peer, " at ", split(addresses[peer]).tcp,
+                                domain_of(fd) == AF_UNIX ? " (by its local socket)" : "",
                                 " failed authentication (on pp rank ", rank, "): ", why));
     }
     int missing = size - 1 - rank;
     while (missing > 0) {
-      pollfd p{listener.fd(), POLLIN, 0};
-      int ready = poll(&p, 1, remaining_ms(deadline));
+      pollfd p[2] = {{listener.fd(), POLLIN, 0}, {listener.local_fd(), POLLIN, 0}};
+      int ready = poll(p, listener.local_fd() >= 0 ? 2 : 1, remaining_ms(deadline));
       if (ready < 0 && errno == EINTR) continue;
       if (ready <= 0) {
         std::string who;
@@ -171,7 +281,9 @@ std::vector<int> connect_mesh(Listener& listener, int rank,
                                    " s waiting for the pipeline connections of pp ranks ", who,
                                    " (pp rank ", rank, ")"));
       }
-      int fd = accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC);
+      const int from = (p[0].revents & POLLIN) || listener.local_fd() < 0 ? listener.fd()
+                                                                          : listener.local_fd();
+      int fd = accept4(from, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) continue;
       // A hello must come promptly; anything else is not one of ours.
       timeval tv{static_cast<time_t>(kHelloTimeout), 0};

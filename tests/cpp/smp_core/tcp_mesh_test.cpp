@@ -8,14 +8,18 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <string>
 #include <thread>
 
 #include "smp_core/detail/auth.h"
+#include "smp_core/errors.h"
 
 namespace smp::detail {
 namespace {
@@ -162,6 +166,117 @@ TEST(TcpMesh, APeerWithAnotherSecretIsNamed) {
         << e.what();
   }
   testing::internal::GetCapturedStderr();
+}
+
+int domain(int fd) {
+  int d = AF_UNSPEC;
+  socklen_t len = sizeof d;
+  getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &d, &len);
+  return d;
+}
+
+// The abstract name a listener's address offers (Note [Local sockets]).
+std::string local_name(const Listener& l) {
+  const std::string a = l.address();
+  const auto start = a.find(" local=");
+  EXPECT_NE(start, std::string::npos) << a;
+  return a.substr(start + 7, a.rfind('@') - start - 7);
+}
+
+int dial_local(const std::string& name) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path + 1, name.data(), name.size());
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), len), 0) << name;
+  return fd;
+}
+
+// Forms a two-rank mesh of `a0` and `a1` (rank 1 connects to a0) and checks a byte
+// goes across; returns the socket domain of each end.
+std::pair<int, int> mesh_domains(Listener& l0, Listener& l1, const std::string& a0,
+                                 const std::string& a1) {
+  const std::vector<std::string> addresses = {a0, a1};
+  auto rank0 = std::async(std::launch::async,
+                          [&] { return connect_mesh(l0, 0, addresses, kMeshId, key_of('a'), 20); });
+  auto fds1 = connect_mesh(l1, 1, addresses, kMeshId, key_of('a'), 20);
+  auto fds0 = rank0.get();
+  const char ping = 'p';
+  EXPECT_EQ(write(fds1[0], &ping, 1), 1);
+  char got = 0;
+  EXPECT_TRUE(read_exact(fds0[1], &got, 1));
+  EXPECT_EQ(got, 'p');
+  const std::pair<int, int> out{domain(fds0[1]), domain(fds1[0])};
+  close(fds0[1]);
+  close(fds1[0]);
+  return out;
+}
+
+TEST(TcpMesh, RanksOnOneHostConnectByALocalSocket) {
+  Listener l0("127.0.0.1", true), l1("127.0.0.1", true);
+  ASSERT_GE(l0.local_fd(), 0) << "no local socket on this machine";
+  EXPECT_EQ(mesh_domains(l0, l1, l0.address(), l1.address()), std::make_pair(AF_UNIX, AF_UNIX));
+}
+
+TEST(TcpMesh, WithoutALocalSocketTheMeshUsesTcp) {
+  // A listener without one (SMP_P2P_LOCAL_SOCKET=0 on that rank) offers only TCP.
+  Listener l0("127.0.0.1", false), l1("127.0.0.1", true);
+  EXPECT_EQ(l0.address(), "127.0.0.1:" + std::to_string(l0.port()));
+  EXPECT_EQ(mesh_domains(l0, l1, l0.address(), l1.address()), std::make_pair(AF_INET, AF_INET));
+  // One offered under another host's identity (another machine or network namespace),
+  // or whose socket is gone, is passed over for TCP.
+  Listener l2("127.0.0.1", true), l3("127.0.0.1", true);
+  std::string elsewhere = l2.address();
+  elsewhere.replace(elsewhere.rfind('@') + 1, std::string::npos, "another-host");
+  EXPECT_EQ(mesh_domains(l2, l3, elsewhere, l3.address()), std::make_pair(AF_INET, AF_INET));
+  Listener l4("127.0.0.1", true), l5("127.0.0.1", true);
+  std::string gone = l4.address();
+  gone.replace(gone.find(" local=") + 7, local_name(l4).size(), "smp-mesh-no-such-socket");
+  EXPECT_EQ(mesh_domains(l4, l5, gone, l5.address()), std::make_pair(AF_INET, AF_INET));
+}
+
+TEST(TcpMesh, AStrangerOnTheLocalSocketIsRefused) {
+  Listener l0("127.0.0.1", true), l1("127.0.0.1", true);
+  const std::vector<std::string> addresses = {l0.address(), l1.address()};
+  testing::internal::CaptureStderr();
+  auto rank0 = std::async(std::launch::async,
+                          [&] { return connect_mesh(l0, 0, addresses, kMeshId, key_of('a'), 20); });
+  int fd = dial_local(local_name(l0));
+  send_bytes(fd, std::string(64, 'x'));
+  EXPECT_TRUE(closed_by_peer(fd));
+  close(fd);
+  fd = dial_local(local_name(l0));
+  send_bytes(fd, hello(1));
+  EXPECT_NE(auth::handshake_initiate(fd, key_of('b'), "mesh", "smp-mesh 77 0 1", 5), "");
+  close(fd);
+  auto fds1 = connect_mesh(l1, 1, addresses, kMeshId, key_of('a'), 20);
+  auto fds0 = rank0.get();
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(domain(fds0[1]), AF_UNIX);
+  EXPECT_NE(log.find("refused a pipeline connection from a local socket: not an smp pipeline hello"),
+            std::string::npos) << log;
+  EXPECT_NE(log.find("the peer closed the connection during the handshake"), std::string::npos) << log;
+  close(fds0[1]);
+  close(fds1[0]);
+}
+
+TEST(TcpMesh, LocalSocketSettingIsChecked) {
+  const char* before = std::getenv("SMP_P2P_LOCAL_SOCKET");
+  const std::string saved = before ? before : "";
+  setenv("SMP_P2P_LOCAL_SOCKET", "0", 1);
+  EXPECT_FALSE(local_sockets_enabled());
+  setenv("SMP_P2P_LOCAL_SOCKET", "1", 1);
+  EXPECT_TRUE(local_sockets_enabled());
+  setenv("SMP_P2P_LOCAL_SOCKET", "yes", 1);
+  try {
+    local_sockets_enabled();
+    FAIL() << "SMP_P2P_LOCAL_SOCKET=yes was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("SMP_P2P_LOCAL_SOCKET='yes' is not one of {0, 1}"),
+              std::string::npos) << e.what();
+  }
+  if (before) setenv("SMP_P2P_LOCAL_SOCKET", saved.c_str(), 1); else unsetenv("SMP_P2P_LOCAL_SOCKET");
 }
 
 }  // namespace

@@ -349,8 +349,8 @@ P2PEngine::P2PEngine(c10::intrusive_ptr<c10d::Store> store, const std::string& p
     const char* forced = std::getenv("SMP_P2P_ADDR");
     std::string host = forced && *forced ? forced : detail::local_address_toward(master_addr);
     detail::Listener listener(host, detail::local_sockets_enabled());
-    auto addresses = store_exchange(store, prefix + "/addr", rank, size, listener.address(), timeout_s,
-                                    "the pipeline transport's addresses");
+    auto addresses = store_exchange(store, prefix + "/addr", rank, size, listener.address(),
+                                    timeout_s, "the pipeline transport's addresses");
     I.fds = detail::connect_mesh(listener, rank, addresses, std::hash<std::string>{}(prefix),
                                  auth::job_key(), timeout_s);
   }

@@ -18,9 +18,10 @@
 // time is the pipeline's. So a listener also listens on an abstract Unix socket, its
 // address names it with this host's identity (boot id and network namespace, which
 // bound who can reach an abstract socket), and a peer of the same identity connects
-// there; any other peer, or a local connect that fails, uses TCP. The hello and the handshake are
-// the same on both (Note [Job secret]): a local socket is no more open to strangers
-// than the TCP port on loopback. SMP_P2P_LOCAL_SOCKET=0 keeps every connection on TCP.
+// there; any other peer, or a local connect that fails, uses TCP. The hello and the
+// handshake are the same on both (Note [Job secret]): a local socket is no more open to
+// strangers than the TCP port on loopback. SMP_P2P_LOCAL_SOCKET=0 keeps every
+// connection on TCP.
 //
 // Thread-safety: functions are reentrant; one fd must not be written by two threads
 // at once (callers serialize writes per peer).
@@ -70,16 +71,16 @@ class Listener {
 };
 
 // Connects rank `rank` to every other rank of a group of addresses.size() ranks
-// (each rank's Listener::address(), or "ip:port"; all ranks call this together). Lower ranks
-// accept, higher ranks connect. A hello (magic, `nonce` naming the mesh, rank) says
-// who connects, then both ends prove `key` (Note [Job secret] in auth.h), bound to
-// the mesh and the two ranks. A connection that fails either is closed before any
-// byte of it is decoded and logged on stderr with its address, and the wait goes on.
-// Returns one connected fd per rank (-1 for `rank` itself): a local socket where the
-// peer's address offers one on this host (Note [Local sockets]), else TCP with
-// TCP_NODELAY; large buffers and a send timeout of `timeout_s` either way. Throws CommError/TimeoutError naming the
-// ranks that never connected, or a peer this rank connected to that failed to prove
-// the key.
+// (each rank's Listener::address(), or "ip:port"; all ranks call this together).
+// Lower ranks accept, higher ranks connect. A hello (magic, `nonce` naming the mesh,
+// rank) says who connects, then both ends prove `key` (Note [Job secret] in auth.h),
+// bound to the mesh and the two ranks. A connection that fails either is closed before
+// any byte of it is decoded and logged on stderr with its address, and the wait goes
+// on. Returns one connected fd per rank (-1 for `rank` itself): a local socket where
+// the peer's address offers one on this host (Note [Local sockets]), else TCP with
+// TCP_NODELAY; large buffers and a send timeout of `timeout_s` either way. Throws
+// CommError/TimeoutError naming the ranks that never connected, or a peer this rank
+// connected to that failed to prove the key.
 std::vector<int> connect_mesh(Listener& listener, int rank,
                               const std::vector<std::string>& addresses, uint64_t nonce,
                               const auth::Key& key, double timeout_s);

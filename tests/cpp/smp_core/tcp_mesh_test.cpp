@@ -254,9 +254,12 @@ TEST(TcpMesh, AStrangerOnTheLocalSocketIsRefused) {
   auto fds0 = rank0.get();
   const std::string log = testing::internal::GetCapturedStderr();
   EXPECT_EQ(domain(fds0[1]), AF_UNIX);
-  EXPECT_NE(log.find("refused a pipeline connection from a local socket: not an smp pipeline hello"),
-            std::string::npos) << log;
-  EXPECT_NE(log.find("the peer closed the connection during the handshake"), std::string::npos) << log;
+  EXPECT_NE(log.find("refused a pipeline connection from a local socket: "
+                     "not an smp pipeline hello"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("the peer closed the connection during the handshake"), std::string::npos)
+      << log;
   close(fds0[1]);
   close(fds1[0]);
 }
@@ -276,7 +279,10 @@ TEST(TcpMesh, LocalSocketSettingIsChecked) {
     EXPECT_NE(std::string(e.what()).find("SMP_P2P_LOCAL_SOCKET='yes' is not one of {0, 1}"),
               std::string::npos) << e.what();
   }
-  if (before) setenv("SMP_P2P_LOCAL_SOCKET", saved.c_str(), 1); else unsetenv("SMP_P2P_LOCAL_SOCKET");
+  if (before)
+    setenv("SMP_P2P_LOCAL_SOCKET", saved.c_str(), 1);
+  else
+    unsetenv("SMP_P2P_LOCAL_SOCKET");
 }
 
 }  // namespace

@@ -99,8 +99,95 @@ def _active():
 
 
 def _checkpointed(fn, cfg, *args, **kwargs):
-    return checkpoint(fn, *args, use_reentrant=False,
+    return checkpoint(_replayable(fn, args, kwargs), *args, use_reentrant=False,
                       preserve_rng_state=cfg.preserve_rng_state, **kwargs)
+
+
+# Note [Recomputing with the state the forward saw]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The recomputation calls the module's forward again with the same arguments. An
+# argument that the forward changes in place is not the same the second time: Hugging
+# Face's key/value cache (GPT-2's default, use_cache=True) has the layer's keys
+# appended by the forward, so the recomputation attends over twice the tokens and its
+# shapes differ from the saved ones. Hugging Face turns the cache off in the layers it
+# checkpoints, which changes what the model returns. Here, before the forward, each
+# argument that is neither a tensor nor an immutable value is copied with its tensors
+# shared (a copy of the containers only: no tensor memory); the forward gets the
+# originals, so what it changes is what the caller sees, as without checkpointing, and
+# each recomputation gets a fresh copy of the saved state, so it computes what the
+# forward computed. An argument that cannot be copied is passed as it is.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+              torch.Size, type(Ellipsis), slice, range)
+
+
+def _stateful(value):
+    """Whether the forward could change `value` in place: an object other than a
+    tensor, a module or an immutable value, alone or inside tuples, lists and dicts."""
+    if isinstance(value, (torch.Tensor, nn.Module) + _IMMUTABLE):
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_stateful(v) for v in value)
+    if isinstance(value, dict):
+        return any(_stateful(v) for v in value.values())
+    return True
+
+
+def _tensors_in(value, found, seen):
+    """Every tensor and module reachable from `value` through containers and object
+    attributes (what a copy shares)."""
+    if id(value) in seen or isinstance(value, _IMMUTABLE):
+        return
+    seen.add(id(value))
+    if isinstance(value, (torch.Tensor, nn.Module)):
+        found[id(value)] = value
+        return
+    if isinstance(value, dict):
+        children = list(value.keys()) + list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        children = list(value)
+    else:
+        children = list(getattr(value, "__dict__", {}).values())
+        for cls in type(value).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if isinstance(slot, str) and hasattr(value, slot):
+                    children.append(getattr(value, slot))
+    for child in children:
+        _tensors_in(child, found, seen)
+
+
+def _containers_copy(value):
+    """`value` deep-copied except its tensors and modules, which the copy shares."""
+    import copy
+    memo = {}
+    _tensors_in(value, memo, set())
+    return copy.deepcopy(value, memo)
+
+
+def _replayable(fn, args, kwargs):
+    """`fn`, whose second and later calls (recomputations) get a fresh copy of the
+    stateful arguments as they were before the first (Note [Recomputing with the state
+    the forward saw])."""
+    where = [("a", i) for i, a in enumerate(args) if _stateful(a)] + \
+        [("k", k) for k, v in kwargs.items() if _stateful(v)]
+    if not where:
+        return fn
+    try:
+        saved = _containers_copy([args[i] if kind == "a" else kwargs[i] for kind, i in where])
+    except Exception:  # noqa: BLE001  (an argument deepcopy cannot copy: passed as it is)
+        return fn
+    calls = [0]
+
+    def run(*a, **k):
+        calls[0] += 1
+        if calls[0] > 1:
+            a, k = list(a), dict(k)
+            for (kind, i), v in zip(where, _containers_copy(saved)):
+                if kind == "a":
+                    a[i] = v
+                else:
+                    k[i] = v
+        return fn(*a, **k)
+    return run
 
 
 class _CheckpointedForward:

@@ -537,6 +537,70 @@ def _reset_unrecorded(module, entries, device):
     return uninitialized
 
 
+# Note [Traced on real values]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The first step traces the whole model once to partition it. A deferred model has no
+# values then, and a trace on meta tensors (shapes only) cannot run a model's
+# data-dependent Python: Hugging Face's masking utilities ask `padding_mask.all()`, and
+# a meta tensor has no value to answer with. So a recorded model is traced on the real
+# microbatch, and each deferred tensor is materialized when an operation first uses
+# it, by replaying its recorded init (Note [Replayed init]: the values the rank that
+# keeps it will get), and dropped again when the module call in which it was first
+# used returns. The trace computes what an eager model computes, and no rank ever
+# holds more than the tensors of the module calls in progress. A model built on the
+# meta device without the context has no record to replay: it is traced on meta
+# tensors, as before.
+def fully_recorded(module):
+    """Whether every meta tensor of `module` with elements has a recording."""
+    return all(_recording_of(t) is not None
+               for _, _, _, t in state_tensors(module) if t.is_meta and t.numel() > 0)
+
+
+@contextlib.contextmanager
+def materialized_on_use(module):
+    """Inside, operations on `module`'s recorded meta tensors see their real values
+    (Note [Traced on real values]); the Python objects stay meta tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    cache = {}       # storage key -> real storage
+    frames = [[]]    # per module call in progress: the keys it materialized
+
+    def covered(x):
+        return isinstance(x, torch.Tensor) and x.is_meta and _recording_of(x) is not None
+
+    def real(t):
+        r = _recording_of(t)
+        key = _key(t)
+        if key not in cache:
+            cache[key] = r.replay({key})[key]
+            frames[-1].append(key)
+        return _view(cache[key], _Ref(t), r.device_of(t))
+
+    class _OnUse(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            return func(*nested.map_leaves(args, real, covered),
+                        **nested.map_leaves(kwargs, real, covered))
+
+    def enter(_module, _inputs):
+        frames.append([])
+
+    def leave(_module, _inputs, _outputs):
+        for key in frames.pop():
+            cache.pop(key, None)
+    handles = []
+    for m in module.modules():
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave))
+    try:
+        with _OnUse():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+        cache.clear()
+        release_free_heap()
+
+
 class CreatedInForward(RuntimeError):
     """A module of a deferred model created a parameter or buffer in forward."""
 

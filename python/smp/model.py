@@ -20,7 +20,7 @@ from smp import activation_checkpointing, agreement, deferred_init, grad_guard
 from smp import optimizer_sharding
 from smp import join as _join
 from smp.model_pipeline import PipelinePart
-from smp.model_state import ModelStateMixin
+from smp.model_state import COMPILED, ModelStateMixin, canonical_key
 from smp.model_views import LocalViewsMixin
 from smp.replica import Replica
 
@@ -34,6 +34,33 @@ _BOOL_ARGS = ("trace_execution_times", "overlapping_allreduce",
 def _check_arg(name, value, ok, allowed):
     if not ok:
         raise ValueError(f"smp.DistributedModel: argument '{name}'={value!r} is not {allowed}")
+
+
+_COMPILE_WATCH = []
+
+
+def _watch_compile():
+    """Note [Compiled names]: torch.compile(model) makes an OptimizedModule whose child
+    `_orig_mod` is the model; its state_dict() is the model's, keys and all (the model
+    drops the `_orig_mod.` prefix it is given), and its load_state_dict() takes the same
+    keys: a load pre-hook puts them under `_orig_mod.` so they reach the model. Watched
+    through torch's global module-registration hook (once per process; a registration
+    of anything else costs one check)."""
+    register = getattr(torch.nn.modules.module, "register_module_module_registration_hook",
+                       None)
+    if _COMPILE_WATCH or register is None:
+        return
+
+    def into_model(_module, state_dict, prefix, *_):
+        inner = prefix + COMPILED + "."
+        for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+            state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+
+    def on_registration(parent, name, child):
+        if name == COMPILED and isinstance(child, DistributedModel) and \
+                type(parent).__name__ == "OptimizedModule":
+            parent.register_load_state_dict_pre_hook(into_model)
+    _COMPILE_WATCH.append(register(on_registration))
 
 
 class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.Joinable):
@@ -103,6 +130,9 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
                              "the parameters a model has when it is wrapped. Run one "
                              "forward before wrapping, or give them their sizes")
         self.module = module
+        # Note [Loaded as a child] (smp/model_state.py)
+        self.register_load_state_dict_post_hook(self._children_back)
+        _watch_compile()
         # Note [Replayed init] (smp/deferred_init.py): meta tensors until partitioned.
         self._deferred = deferred_init.is_deferred(module)
         self.trace_device = trace_device
@@ -155,6 +185,24 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
 
     def get_module(self):
         return self.module
+
+    # Note [Plain names]
+    # ~~~~~~~~~~~~~~~~~~
+    # The model's parameters and buffers are named as in the plain module (SMP v1's
+    # DistributedModel.named_parameters() is the wrapped module's), the names its
+    # state_dict(), its optimizer's state and checkpoints use: no `module.` prefix of the
+    # wrapper's own attribute, no `_orig_mod.` of torch.compile (Note [Compiled names]).
+    # After partitioning they still name every parameter of the model; the ones other
+    # pp ranks own have no elements here (local_named_parameters() gives this rank's).
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        kw = {} if remove_duplicate else {"remove_duplicate": False}  # (torch 1.13: none)
+        for name, p in self.module.named_parameters(prefix=prefix, recurse=recurse, **kw):
+            yield canonical_key(name), p
+
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+        kw = {} if remove_duplicate else {"remove_duplicate": False}
+        for name, b in self.module.named_buffers(prefix=prefix, recurse=recurse, **kw):
+            yield canonical_key(name), b
 
     def forward(self, *args, **kwargs):
         if not self._in_step and core.pp_size() > 1:

@@ -26,32 +26,42 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
     user's batch before the step proper runs. A failure on any rank raises on
     every rank.
 
-    `deferred`: the model's tensors are meta tensors (smp/deferred_init.py), so the
-    trace runs on meta tensors, shapes only: the microbatch is moved to the meta
-    device and so is every tensor the step creates.
+    `deferred`: the model's tensors are meta tensors (smp/deferred_init.py). A model
+    built under smp.delay_param_initialization is traced on the real microbatch, its
+    tensors materialized as they are used (Note [Traced on real values]); one built
+    on the meta device without it runs on meta tensors, shapes only: the microbatch is
+    moved to the meta device and so is every tensor the step creates.
+
+    A failure names the module that was running and the last line of the model's
+    code (not torch's or smp's) that ran.
     """
     recording = tracer.Trace(module, execution_times and not deferred, memory_usage)
-    copy = (lambda t: t.to("meta")) if deferred else torch.Tensor.clone
+    on_use = deferred and deferred_init.fully_recorded(module)
+    on_meta = deferred and not on_use
+    copy = (lambda t: t.to("meta")) if on_meta else torch.Tensor.clone
     args, kwargs = map_leaves(mb_inputs[0], copy, lambda x: isinstance(x, torch.Tensor))
     restore = agreement.snapshot_side_effects(module)
     core.state.tracing = True
     error = None
     before = deferred_init.state_tensors(module) if deferred else None
+    values = (deferred_init.materialized_on_use(module) if on_use else
+              torch.device("meta") if on_meta else contextlib.nullcontext())
     try:
-        with stepping(), recording, torch.no_grad(), \
-                (torch.device("meta") if deferred else contextlib.nullcontext()):
+        with stepping(), recording, torch.no_grad(), _eager(), values:
             fn(*args, **kwargs)
         if deferred:
             deferred_init.check_nothing_created(module, before)
     except Exception as exc:  # reported to every rank below
         error = exc
-        if deferred and not isinstance(exc, deferred_init.CreatedInForward):
-            text = (f"{exc} (the first step traces a deferred model on meta tensors, shapes "
-                    "only: smp.delay_param_initialization)")
+        if not isinstance(exc, deferred_init.CreatedInForward):
+            text = f"{exc} ({tracer.where_it_failed(recording, exc)}" + (
+                "; the first step traces a model built on the meta device on meta "
+                "tensors, shapes only" if on_meta else "") + ")"
             try:  # the same kind, so every rank raises it as such
                 error = type(exc)(text)
             except Exception:  # noqa: BLE001  (a constructor that takes other arguments)
                 error = RuntimeError(text)
+            error.__cause__ = exc
     finally:
         core.state.tracing = False
         restore()
@@ -66,6 +76,16 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
                            f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
     measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
     return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
+
+
+def _eager():
+    """The trace runs the model eagerly: a module compiled before wrapping
+    (torch.compile) is compiled by the steps that follow, not on the trace's hooks
+    (whose timers and records Dynamo cannot compile)."""
+    disable = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if disable is None:
+        return contextlib.nullcontext()
+    return disable("force_eager")
 
 
 class PipelinePart:

@@ -19,6 +19,23 @@ PARTIAL_KEY = "_smp_is_partial"
 # smp.load of smp.save(..., v3=True) shards: entries of the dict may be on any rank of
 # the world (checkpoint/_api.py).
 SHARDS_KEY = "_smp_from_shards"
+# Note [Compiled names]
+# ~~~~~~~~~~~~~~~~~~~~~
+# torch.compile(module) returns an OptimizedModule that holds the module as its child
+# `_orig_mod`, so the module's state-dict keys and parameter names gain `_orig_mod.`
+# components (before the whole name, or inside it for a compiled submodule). Compiling
+# is a way of running the same model: smp's names drop those components, so the
+# names, state dicts and checkpoints of a model are the same with and without
+# torch.compile (before or after wrapping), and a load accepts keys with or without
+# them (a state dict of a compiled plain module loads into smp, and smp's into one).
+COMPILED = "_orig_mod"
+
+
+def canonical_key(key):
+    """`key` without torch.compile's `_orig_mod` components (Note [Compiled names])."""
+    if COMPILED not in key:
+        return key
+    return ".".join(p for p in key.split(".") if p != COMPILED)
 
 
 def exchange(have, needed, group=None):
@@ -83,8 +100,8 @@ class ModelStateMixin:
         """(state-dict name, Parameter) of the plain module, as it was before partitioning
         replaced the children other ranks own (a tied Parameter under each name)."""
         if self._state_tensors is None:
-            return list(self.module.named_parameters())
-        return [(k, v) for k, v in self._state_tensors.items()
+            return [(canonical_key(k), v) for k, v in self.module.named_parameters()]
+        return [(canonical_key(k), v) for k, v in self._state_tensors.items()
                 if isinstance(v, torch.nn.Parameter)]
 
     @property
@@ -93,6 +110,15 @@ class ModelStateMixin:
         if not plan:
             return 0
         return zlib.crc32(repr([(n, p) for n, p, _ in plan]).encode()) or 1
+
+    def _to_model_keys(self, sd):
+        """`sd` with each key mapped onto the model's own key of the same canonical name
+        (Note [Compiled names]); other keys stay as they are."""
+        keys = self._all_state_keys()
+        if not any(COMPILED in k for k in keys) and not any(COMPILED in k for k in sd):
+            return sd
+        table = {canonical_key(k): k for k in keys}
+        return {table.get(canonical_key(k), k): v for k, v in sd.items()}
 
     def _all_state_keys(self):
         if self._state_tensors is not None:
@@ -154,35 +180,52 @@ class ModelStateMixin:
         if self._owner is None:
             sd = self.module.state_dict(*args, **kwargs)
             sd = collections.OrderedDict(
-                (k, v.detach().cpu() if cast_to_cpu and torch.is_tensor(v) else v)
-                for k, v in sd.items())
+                (canonical_key(k), v.detach().cpu() if cast_to_cpu and torch.is_tensor(v)
+                 else v) for k, v in sd.items())
         else:
             sd = collections.OrderedDict()
             for k in self._owned_keys():
                 v = self._state_tensors[k].detach()
-                sd[k] = v.cpu() if cast_to_cpu else v
+                sd[canonical_key(k)] = v.cpu() if cast_to_cpu else v
         sd[PARTIAL_KEY] = core.pp_size() > 1
         return sd
 
     @core.api_call("model.state_dict()")  # Note [Naming the call] in smp/core.py
-    def state_dict(self, *args, gather_to_rank0=False, cast_to_cpu=True, **kwargs):
-        """The full model's state dict, with exactly the plain module's keys.
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False,
+                   gather_to_rank0=False, cast_to_cpu=True):
+        """The full model's state dict, with exactly the plain module's keys (without
+        torch.compile's `_orig_mod.`, Note [Compiled names]).
 
         With partitions > 1 this is collective over the mp group (SMP v1: call it on
         every rank with dp_rank() == 0, or on every rank).
 
         Args:
+            destination, prefix, keep_vars: torch's (a module holding this model as a
+                child, torch.compile's OptimizedModule among them, passes them): the
+                entries are added to `destination` under `prefix`, which is returned.
             gather_to_rank0: only pp rank 0 receives the full dict (a gather); the other
                 ranks return an empty dict.
             cast_to_cpu: CPU tensors.
         """
+        if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (tuple(args) + (destination, prefix,
+                                                             keep_vars)[len(args):])[:3]
+        sd = self._full_state_dict(keep_vars, gather_to_rank0, cast_to_cpu)
+        if destination is None:
+            return sd
+        prefix = canonical_key(prefix)
+        for k, v in sd.items():
+            destination[prefix + k] = v
+        return destination
+
+    def _full_state_dict(self, keep_vars, gather_to_rank0, cast_to_cpu):
         self._require_values("state_dict()")
         if self._owner is None:
-            sd = self.module.state_dict(*args, **kwargs)
-            if cast_to_cpu:
-                sd = collections.OrderedDict(
-                    (k, v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sd.items())
-            return sd
+            sd = self.module.state_dict(keep_vars=keep_vars)
+            cast = cast_to_cpu and not keep_vars
+            return collections.OrderedDict(
+                (canonical_key(k), v.detach().cpu() if cast and torch.is_tensor(v) else v)
+                for k, v in sd.items())
         local = self.local_state_dict(cast_to_cpu=cast_to_cpu)
         local.pop(PARTIAL_KEY)
         if gather_to_rank0:
@@ -194,8 +237,8 @@ class ModelStateMixin:
         merged = {}
         for part in parts:
             merged.update(part)
-        return collections.OrderedDict((k, merged[k]) for k in self._state_tensors
-                                       if k in merged)
+        keys = (canonical_key(k) for k in self._state_tensors)
+        return collections.OrderedDict((k, merged[k]) for k in keys if k in merged)
 
     @core.api_call("model.load_state_dict()")
     def load_state_dict(self, state_dict, strict=True, same_partition_load=False):
@@ -213,7 +256,7 @@ class ModelStateMixin:
         if not isinstance(state_dict, dict):
             raise ValueError(f"smp: load_state_dict: state_dict of type "
                              f"{type(state_dict).__name__} is not a dict")
-        sd = dict(state_dict)
+        sd = self._to_model_keys(dict(state_dict))
         partial = bool(sd.pop(PARTIAL_KEY, False))
         if self._owner is None and (core.pp_size() > 1 or self._deferred):
             # (a deferred model, smp/deferred_init.py, has no tensors to load into yet)
@@ -233,21 +276,52 @@ class ModelStateMixin:
         my_missing = [k for k in owned if k not in sd]
         unexpected = [k for k in sd if k not in key_set] if not partial else \
             sorted(k for k in everywhere if k not in key_set)
+        named = lambda ks: [canonical_key(k) for k in ks]  # noqa: E731
         if strict and (missing or unexpected or my_missing):
             raise RuntimeError(
                 f"smp: load_state_dict on {self._rank_tag()}: missing keys "
-                f"{missing or my_missing}, unexpected keys {unexpected}")
+                f"{named(missing or my_missing)}, unexpected keys {named(unexpected)}")
         if self._owner is None:
             with torch.no_grad():
                 result = self.module.load_state_dict(
                     {k: v for k, v in sd.items() if k in key_set}, strict=False)
             return torch.nn.modules.module._IncompatibleKeys(
-                list(result.missing_keys), unexpected)
+                named(result.missing_keys), named(unexpected))
         with torch.no_grad():
             for k in owned:
                 if k in sd:
                     self._state_tensors[k].copy_(sd[k])
-        return torch.nn.modules.module._IncompatibleKeys(missing or my_missing, unexpected)
+        return torch.nn.modules.module._IncompatibleKeys(named(missing or my_missing),
+                                                         named(unexpected))
+
+    # Note [Loaded as a child]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch's Module.load_state_dict on a module holding this model (a user's container,
+    # or torch.compile's OptimizedModule: Note [Compiled names]) does not call this
+    # model's load_state_dict: it calls _load_from_state_dict on every module of the
+    # tree with the keys under its prefix. Here the model takes every key under its
+    # prefix (the plain module's keys, as its state_dict gives them) and loads them as
+    # load_state_dict does, partitions included; its own children then must not load
+    # them again (at partitions > 1 most of their tensors are released), so they are
+    # out of the tree until the load's post hook puts them back.
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        try:
+            result = self.load_state_dict(sub, strict=False)
+        except Exception as e:  # noqa: BLE001  (torch reports its errors in error_msgs)
+            error_msgs.append(str(e))
+            result = None
+        if result is not None:
+            missing_keys.extend(prefix + k for k in result.missing_keys)
+            unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        self.__dict__["_hidden_children"] = self.__dict__["_modules"]
+        self.__dict__["_modules"] = collections.OrderedDict()
+
+    def _children_back(self, _module, _incompatible):
+        hidden = self.__dict__.pop("_hidden_children", None)
+        if hidden is not None:
+            self.__dict__["_modules"] = hidden
 
     def _apply_pending_state(self):
         """Called by _partition once the plan is known: the deferred model load, then

@@ -2,6 +2,7 @@
 and buffers (SMP v1's local_* methods) and the partition plan. A mixin of
 DistributedModel."""
 from smp import core
+from smp.model_state import canonical_key
 
 __all__ = []
 
@@ -14,6 +15,7 @@ class LocalViewsMixin:
         table = self._module_table if self._owner is not None else self.module.named_modules()
         for name, m in table:
             if self._is_local(name):
+                name = canonical_key(name)  # Note [Plain names] (smp/model.py)
                 yield (prefix + ("." if prefix and name else "") + name, m)
 
     def local_modules(self):

@@ -150,6 +150,71 @@ class TiedCopiesError(RuntimeError):
     """The copies of a parameter tied across pp ranks differ (Note [Tied copies])."""
 
 
+class _OptimizerSteps:
+    """Counts the optimizer steps applied to this rank's tied parameters: torch's
+    global step post-hook (torch >= 2.0), registered once the model has tied ones."""
+
+    def __init__(self):
+        self.steps = 0
+        self.tied = []      # the tied tensors of this rank
+        self.holds = {}     # id(optimizer) -> whether it updates one of them
+        self.handle = None
+
+    def count(self, tied):
+        """This rank's step count, or -1 where torch has no step hooks."""
+        import torch.optim.optimizer as optim_module
+        hook = getattr(optim_module, "register_optimizer_step_post_hook", None)
+        if hook is None:
+            return -1
+        if self.handle is None:
+            self.handle = hook(self._stepped)
+        if len(tied) != len(self.tied) or any(a is not b for a, b in zip(tied, self.tied)):
+            self.tied, self.holds = list(tied), {}
+        return self.steps
+
+    def _stepped(self, optimizer, *_):
+        holds = self.holds.get(id(optimizer))
+        if holds is None:
+            ids = {id(t) for t in self.tied}
+            holds = self.holds[id(optimizer)] = any(
+                id(p) in ids for g in optimizer.param_groups for p in g["params"])
+        if holds:
+            self.steps += 1
+
+
+_steps = _OptimizerSteps()
+
+
+def _copies_differ(name, holders, steps):
+    """TiedCopiesError's text: what differs between the holders of tied parameter
+    `name`, from each holder's count of optimizer steps (-1: not known)."""
+    head = f"smp: the copies of tied parameter '{name}' on pp ranks {holders} differ"
+    tail = f" (rank {core.rank()})"
+    clip = ("torch.nn.utils.clip_grad_norm_ on some of the model's parameters clips each "
+            "rank's gradients by that rank's own norm; model.clip_grad_norm_(max_norm) "
+            "(or smp.clip_grad_norm_(model, max_norm)) clips by the norm over every "
+            "partition and keeps tied copies equal")
+    counts = set(steps.values())
+    if -1 in counts:
+        return (f"{head}: something changed the gradient or the value of one copy only "
+                f"since the last step. One known cause: {clip}{tail}")
+    if len(counts) > 1:
+        most = max(counts)
+        behind = [h for h in holders if steps[h] < most]
+        ahead = [h for h in holders if steps[h] == most]
+        return (f"{head}: pp rank{'s' if len(ahead) > 1 else ''} "
+                f"{', '.join(map(str, ahead))} applied {most} optimizer steps to it and "
+                + ", ".join(f"pp rank {h} {steps[h]}" for h in behind) +
+                ": an optimizer step was skipped or taken on some pipeline ranks only. A "
+                "loss scaler that decides per rank does that: torch.amp.GradScaler (or "
+                "torch.cuda.amp.GradScaler) skips the step on a rank whose own gradients "
+                "hold an inf or nan, while the other stages step. Use one decision for "
+                "every stage, or call optimizer.step() on every rank" + tail)
+    return (f"{head}, although every holder applied the same {counts.pop()} optimizer "
+            "steps: the gradient or the value of one copy was changed outside the "
+            f"optimizer's step since the last step. One known cause: {clip}{tail}")
+
+
 class TiedParameters:
     """Parameters and buffers held on more than one pp rank, and how to keep them equal.
 
@@ -201,6 +266,9 @@ class TiedParameters:
         Note [torch's clip on the whole model]) would make them drift apart silently. Each step starts by
         comparing an XXH3 fingerprint of every copy: one pass over the tied tensors
         (~7 GB/s) and one all_gather of 8 bytes per tied parameter on the pp group.
+        The gather also carries each rank's count of optimizer steps applied to its
+        tied parameters, so the error says what differs: a step one holder skipped (a
+        per-rank loss scaler), or a change made outside the optimizer (a per-rank clip).
         """
         params = [(name, t, holders) for name, t, holders in self.entries
                   if isinstance(t, torch.nn.Parameter)]
@@ -208,21 +276,18 @@ class TiedParameters:
             return
         mine = [t for _, t, holders in params if self.me in holders]
         prints = iter(_C.fingerprints([t.detach() for t in mine]))
+        # The last entry: how many optimizer steps this rank applied to its tied
+        # parameters (-1: not known), to say what differs when copies do.
         local = torch.tensor([next(prints) if self.me in holders else 0
-                              for _, _, holders in params], dtype=torch.int64)
+                              for _, _, holders in params] + [_steps.count(mine)],
+                             dtype=torch.int64)
         everyone = [torch.empty_like(local) for _ in range(core.pp_size())]
         dist.all_gather(everyone, local, group=core.get_pp_process_group())
         for i, (name, _, holders) in enumerate(params):
             values = {int(everyone[h][i]) for h in holders}
             if len(values) > 1:
-                raise TiedCopiesError(
-                    f"smp: the copies of tied parameter '{name}' on pp ranks {holders} "
-                    "differ: something changed the gradient or the value of one copy only "
-                    "since the last step. The usual cause is torch.nn.utils.clip_grad_norm_"
-                    " on some of the model's parameters, which clips each rank's gradients "
-                    "by that rank's own norm; use model.clip_grad_norm_(max_norm) (or "
-                    "smp.clip_grad_norm_(model, max_norm)), which clips by the norm over "
-                    f"every partition and keeps tied copies equal (rank {core.rank()})")
+                steps = {h: int(everyone[h][-1]) for h in holders}
+                raise TiedCopiesError(_copies_differ(name, holders, steps))
 
     def begin_step(self):
         """Sets each held tied parameter's gradient aside, so the step's backward

@@ -22,7 +22,12 @@ class UnreducedGradientError(RuntimeError):
 
 def _raise(name, in_step):
     """Raises the error of parameter `name`'s unguarded gradient (the C++ hook's call)."""
-    dp = core.dp_size()
+    raise UnreducedGradientError(_text(f"the gradient of parameter '{name}' was computed",
+                                       in_step))
+
+
+def _text(what_happened, in_step):
+    dp, pp = core.dp_size(), core.pp_size()
     if in_step:
         what = ("inside an @smp.step function by loss.backward() (or "
                 "torch.autograd.backward)")
@@ -31,10 +36,22 @@ def _raise(name, in_step):
         what = "outside @smp.step (by loss.backward() or torch.autograd.backward)"
         fix = ("run the forward and the backward inside an @smp.step function and "
                "call model.backward(loss) there")
-    raise UnreducedGradientError(
-        f"smp: the gradient of parameter '{name}' was computed {what}; with 'ddp': "
-        f"true it would not be reduced across the {dp} model replicas, which would "
-        f"drift apart. To fix: {fix} (rank {core.rank()})")
+    why = []
+    if pp > 1:
+        why.append(f"with partitions={pp} only model.backward() runs the backward across "
+                   "the pipeline stages")
+    if core.state.model is not None and core.state.model.replica.reduces:
+        why.append(f"with 'ddp': true it would not be reduced across the {dp} model "
+                   "replicas, which would drift apart")
+    return (f"smp: {what_happened} {what}; {' and '.join(why)}. To fix: {fix} "
+            f"(rank {core.rank()})")
+
+
+def backward_in_trace(*_args, **_kwargs):
+    """Tensor.backward and torch.autograd.backward while the first step is traced with
+    partitions > 1 (smp/model_pipeline.py): the trace runs the forward only, so the
+    autograd error would say nothing of the cause."""
+    raise UnreducedGradientError(_text("a backward was started", True))
 
 
 class GradGuard:

@@ -165,8 +165,9 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         grad_norm.redirect_torch_clip()  # Note [torch's clip on the whole model]
 
     def _guard_gradients(self):
-        # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp raises.
-        if self.replica.reduces:
+        # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp, or
+        # with partitions > 1 (where it would bypass the pipeline's backward), raises.
+        if self.replica.reduces or core.pp_size() > 1:
             self._grad_guard = grad_guard.GradGuard(self.module.named_parameters())
             self._grad_guard.in_step = self._in_step_flag
 

@@ -47,7 +47,7 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
     values = (deferred_init.materialized_on_use(module) if on_use else
               torch.device("meta") if on_meta else contextlib.nullcontext())
     try:
-        with stepping(), recording, torch.no_grad(), _eager(), values:
+        with stepping(), recording, torch.no_grad(), _eager(), _backward_refused(), values:
             fn(*args, **kwargs)
         if deferred:
             deferred_init.check_nothing_created(module, before)
@@ -76,6 +76,19 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
                            f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
     measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
     return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
+
+
+@contextlib.contextmanager
+def _backward_refused():
+    """loss.backward() in the traced step raises smp's error, not autograd's (the trace
+    runs under no_grad, where autograd says only that nothing requires grad)."""
+    from smp import grad_guard
+    saved = torch.Tensor.backward, torch.autograd.backward
+    torch.Tensor.backward = torch.autograd.backward = grad_guard.backward_in_trace
+    try:
+        yield
+    finally:
+        torch.Tensor.backward, torch.autograd.backward = saved
 
 
 def _eager():

@@ -34,6 +34,70 @@ _remote_classes = {}
 _segmented_classes = {}
 
 
+# Note [Calls are not compiled]: a call routed to another rank is communication,
+# which Dynamo cannot trace (it would warn about `_pickle.dumps` and break the graph on
+# every message it meets). Under torch.compile (of the module before wrapping, or of
+# the wrapper) the route is a function Dynamo is told to skip: the graph ends before
+# the call and the next starts after it, quietly, and the call runs as without compile.
+def _skipped_by_compile(fn):
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is None:
+        return fn
+    try:
+        return disable(fn, reason="smp: a module call routed to another pipeline rank")
+    except TypeError:  # (torch < 2.8: no reason)
+        return disable(fn)
+
+
+@_skipped_by_compile
+def _send(engine, name, owner, args, kwargs):
+    autocast = _autocast_on()
+    if autocast is None:
+        return engine.call(name, owner, args, kwargs)
+    return _send_under_autocast(engine, name, owner, args, kwargs, autocast)
+
+
+def _autocast_on():
+    """The device type whose autocast is on in this thread, or None."""
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return device
+        except TypeError:  # torch < 2.4: no device argument
+            on = torch.is_autocast_cpu_enabled() if device == "cpu" else \
+                torch.is_autocast_enabled()
+            if on:
+                return device
+    return None
+
+
+# Note [Autocast stops at the stage]: torch.autocast is per thread, and a module that
+# another pp rank owns runs there, outside the caller's autocast: in its parameters'
+# dtype, while the caller's modules run in the autocast dtype. Until the pipeline
+# carries autocast to the stages (the mixed-precision issue), the caller is warned once,
+# and an error of such a call (a dtype mismatch, typically) says that autocast did not
+# reach the stage.
+_AUTOCAST_WARNED = []
+
+
+def _send_under_autocast(engine, name, owner, args, kwargs, device):
+    cause = (f"torch.autocast('{device}') is on around the call of module '{name}', which pp "
+             f"rank {owner} owns and runs; autocast is per thread and does not reach other "
+             "pipeline stages, so that module runs in its parameters' dtype")
+    if not _AUTOCAST_WARNED:
+        import warnings
+        _AUTOCAST_WARNED.append(True)
+        warnings.warn(f"smp: {cause}: the stages compute in different precisions", stacklevel=4)
+    try:
+        return engine.call(name, owner, args, kwargs)
+    except Exception as e:
+        try:
+            error = type(e)(f"{e} (smp: {cause})")
+        except Exception:  # noqa: BLE001  (a constructor that takes other arguments)
+            raise e from None
+        raise error from e
+
+
 # Note [Routing by class]: a module owned by another rank must not run here, yet it
 # must stay in its parent (users reach `model.module.head.weight`, optimizers hold its
 # Parameters, `state_dict()` lists it). Swapping its class for a subclass whose
@@ -45,7 +109,7 @@ def _remote_call(self, *args, **kwargs):
     if route is None:
         return type(self).__mro__[1].__call__(self, *args, **kwargs)
     engine, name, owner = route
-    return engine.call(name, owner, args, kwargs)
+    return _send(engine, name, owner, args, kwargs)  # Note [Calls are not compiled]
 
 
 def _remote_class(cls):
@@ -96,7 +160,7 @@ def sequential_steps(seq):
             steps.append(("remote" if is_routed(value) else "local", value))
         else:
             engine, name, owner = value
-            steps.append(("remote", lambda x, e=engine, n=name, o=owner: e.call(n, o, (x,), {})))
+            steps.append(("remote", lambda x, e=engine, n=name, o=owner: _send(e, n, o, (x,), {})))
     return steps
 
 

@@ -130,8 +130,11 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
                              "the parameters a model has when it is wrapped. Run one "
                              "forward before wrapping, or give them their sizes")
         self.module = module
-        # Note [Loaded as a child] (smp/model_state.py)
-        self.register_load_state_dict_post_hook(self._children_back)
+        # Note [Loaded as a child] (smp/model_state.py); torch < 1.13 has no post hooks
+        post_hook = getattr(self, "register_load_state_dict_post_hook", None)
+        self._hides_children = post_hook is not None
+        if post_hook is not None:
+            post_hook(self._children_back)
         _watch_compile()
         # Note [Replayed init] (smp/deferred_init.py): meta tensors until partitioned.
         self._deferred = deferred_init.is_deferred(module)

@@ -315,8 +315,9 @@ class ModelStateMixin:
         if result is not None:
             missing_keys.extend(prefix + k for k in result.missing_keys)
             unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
-        self.__dict__["_hidden_children"] = self.__dict__["_modules"]
-        self.__dict__["_modules"] = collections.OrderedDict()
+        if self._hides_children:
+            self.__dict__["_hidden_children"] = self.__dict__["_modules"]
+            self.__dict__["_modules"] = collections.OrderedDict()
 
     def _children_back(self, _module, _incompatible):
         hidden = self.__dict__.pop("_hidden_children", None)

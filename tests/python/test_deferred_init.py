@@ -357,8 +357,8 @@ smp.shutdown()
                    "has no values before the first step"),
     ("shape", "smp: load_state_dict: tensors whose shape differs from the model's: "
               "'1.weight': checkpoint [4, 5], model [4, 4]"),
-    ("undecodable", "a label that is not UTF-8 (the first step traces a deferred model on "
-                    "meta tensors, shapes only: smp.delay_param_initialization)"),
+    ("undecodable", "a label that is not UTF-8 (tracing the first step in module '1' "
+                    "(Undecodable), at "),
     ("budget", "MemoryError smp: this rank's part of the model needs 0.13 GiB for its "
                "training state (8.4M parameters with their gradients and AdamW's 2 state "
                "tensors) but the process may allocate"),

@@ -274,9 +274,9 @@ def _copies_differ(name, holders, steps):
                 "torch.cuda.amp.GradScaler) skips the step on a rank whose own gradients "
                 "hold an inf or nan, while the other stages step. Use one decision for "
                 "every stage, or call optimizer.step() on every rank" + tail)
-    return (f"{head}, although every holder applied the same {counts.pop()} optimizer "
-            "steps: the gradient or the value of one copy was changed outside the "
-            f"optimizer's step since the last step. One known cause: {clip}{tail}")
+    return (f"{head}: every holder applied the same {counts.pop()} optimizer steps to it, "
+            "so the gradient or the value of one copy was changed outside the optimizer's "
+            f"step since the last step. One known cause: {clip}{tail}")
 
 
 class TiedParameters:

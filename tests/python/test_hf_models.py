@@ -269,8 +269,8 @@ smp.shutdown()
 @pytest.mark.parametrize("case,text", [
     ("skipped", "pp rank 0 applied 2 optimizer steps to it and pp rank 1 1: an optimizer "
      "step was skipped or taken on some pipeline ranks only"),
-    ("changed", "although every holder applied the same 2 optimizer steps: the gradient "
-     "or the value of one copy was changed outside the optimizer's step"),
+    ("changed", "differ: every holder applied the same 2 optimizer steps to it, so the "
+     "gradient or the value of one copy was changed outside the optimizer's step"),
 ])
 def test_tied_copies_error_says_what_differs(ranks, case, text):
     import pathlib

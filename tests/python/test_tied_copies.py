@@ -68,12 +68,12 @@ except smp.TiedCopiesError as e:
 """
 
 MESSAGE = ("smp: the copies of tied parameter 'tok.weight' on pp ranks [0, 1] differ: "
-           "something changed the gradient or the value of one copy only since the last "
-           "step. The usual cause is torch.nn.utils.clip_grad_norm_ on some of the "
-           "model's parameters, which clips each rank's gradients by that rank's own "
-           "norm; use "
-           "model.clip_grad_norm_(max_norm) (or smp.clip_grad_norm_(model, max_norm)), "
-           "which clips by the norm over every partition and keeps tied copies equal "
+           "every holder applied the same 1 optimizer steps to it, so the gradient or the "
+           "value of one copy was changed outside the optimizer's step since the last "
+           "step. One known cause: torch.nn.utils.clip_grad_norm_ on some of the "
+           "model's parameters clips each rank's gradients by that rank's own norm; "
+           "model.clip_grad_norm_(max_norm) (or smp.clip_grad_norm_(model, max_norm)) "
+           "clips by the norm over every partition and keeps tied copies equal "
            "(rank {r})")
 
 

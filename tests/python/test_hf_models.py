@@ -85,7 +85,7 @@ MODES = ["deferred", "ckpt", "deferred+ckpt+shard"]
 @pytest.mark.parametrize("kind", hf_nets.KINDS)
 @pytest.mark.parametrize("world,cfg,modes", [
     (2, {"partitions": 2}, MODES),
-    (4, {"partitions": 2, "ddp": True}, MODES[2:]),
+    (4, {"partitions": 2, "ddp": True}, MODES),
 ], ids=["pp2", "pp2xdp2"])
 def test_hf_models_train_as_the_plain_model(ranks, tmp_path, kind, world, cfg, modes):
     path = tmp_path / "out.json"

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from smp import agreement, core, deferred_init, log, tracer
+from smp import agreement, core, deferred_init, log, remote_errors, tracer
 from smp.nested import map_leaves
 
 __all__ = []
@@ -54,14 +54,10 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
     except Exception as exc:  # reported to every rank below
         error = exc
         if not isinstance(exc, deferred_init.CreatedInForward):
-            text = f"{exc} ({tracer.where_it_failed(recording, exc)}" + (
+            # (the same kind, so every rank raises it as such)
+            error = remote_errors.restated(exc, f"{exc} ({recording.where_it_failed(exc)}" + (
                 "; the first step traces a model built on the meta device on meta "
-                "tensors, shapes only" if on_meta else "") + ")"
-            try:  # the same kind, so every rank raises it as such
-                error = type(exc)(text)
-            except Exception:  # noqa: BLE001  (a constructor that takes other arguments)
-                error = RuntimeError(text)
-            error.__cause__ = exc
+                "tensors, shapes only" if on_meta else "") + ")")
     finally:
         core.state.tracing = False
         restore()
@@ -95,10 +91,10 @@ def _eager():
     """The trace runs the model eagerly: a module compiled before wrapping
     (torch.compile) is compiled by the steps that follow, not on the trace's hooks
     (whose timers and records Dynamo cannot compile)."""
-    disable = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    if disable is None:
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:
         return contextlib.nullcontext()
-    return disable("force_eager")
+    return set_stance("force_eager")
 
 
 class PipelinePart:

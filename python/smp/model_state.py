@@ -163,6 +163,13 @@ class ModelStateMixin:
         elif error is not None:
             raise error
 
+    def _module_state(self, cast_to_cpu, *args, **kwargs):
+        """The unpartitioned module's state dict under smp's names (Note [Compiled
+        names]), its tensors detached CPU copies with `cast_to_cpu`."""
+        return collections.OrderedDict(
+            (canonical_key(k), v.detach().cpu() if cast_to_cpu and torch.is_tensor(v) else v)
+            for k, v in self.module.state_dict(*args, **kwargs).items())
+
     def _rank_tag(self):
         if not core.is_initialized():
             return "rank 0"
@@ -178,10 +185,7 @@ class ModelStateMixin:
         """
         self._require_values("local_state_dict()")
         if self._owner is None:
-            sd = self.module.state_dict(*args, **kwargs)
-            sd = collections.OrderedDict(
-                (canonical_key(k), v.detach().cpu() if cast_to_cpu and torch.is_tensor(v)
-                 else v) for k, v in sd.items())
+            sd = self._module_state(cast_to_cpu, *args, **kwargs)
         else:
             sd = collections.OrderedDict()
             for k in self._owned_keys():
@@ -221,11 +225,7 @@ class ModelStateMixin:
     def _full_state_dict(self, keep_vars, gather_to_rank0, cast_to_cpu):
         self._require_values("state_dict()")
         if self._owner is None:
-            sd = self.module.state_dict(keep_vars=keep_vars)
-            cast = cast_to_cpu and not keep_vars
-            return collections.OrderedDict(
-                (canonical_key(k), v.detach().cpu() if cast and torch.is_tensor(v) else v)
-                for k, v in sd.items())
+            return self._module_state(cast_to_cpu and not keep_vars, keep_vars=keep_vars)
         local = self.local_state_dict(cast_to_cpu=cast_to_cpu)
         local.pop(PARTIAL_KEY)
         if gather_to_rank0:

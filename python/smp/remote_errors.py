@@ -72,3 +72,15 @@ def raise_remote(meta, own_error=None):
         if mine is not None:
             raise mine
     raise exc from RemoteTraceback(text)
+
+
+def restated(exc, text):
+    """An exception of `exc`'s kind whose message is `text` (a RuntimeError where that
+    kind cannot be made from a message alone), caused by `exc`: an error with its
+    cause added, raised as the kind the user's code catches."""
+    try:
+        error = type(exc)(text)
+    except Exception:  # noqa: BLE001  (a constructor that takes other arguments)
+        error = RuntimeError(text)
+    error.__cause__ = exc
+    return error

@@ -82,6 +82,26 @@ class Trace:
             h.remove()
         self._handles = []
 
+    def where_it_failed(self, exc):
+        """Where the traced model raised `exc`: the module whose call was in progress
+        (the innermost) and the last line of the model's own code that ran (not
+        torch's, not smp's), as a phrase for the error every rank raises."""
+        import os
+        import traceback
+        parts = []
+        if self._stack:  # a call that raised never popped its entry
+            name, module, _ = self.table[self._stack[-1][0]]
+            parts.append(f"in module '{name or '<root>'}' ({type(module).__name__})")
+        skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                     for m in (torch, core) if getattr(m, "__file__", None))
+        user = [f for f in traceback.extract_tb(exc.__traceback__)
+                if not os.path.abspath(f.filename).startswith(skip)]
+        if user:
+            f = user[-1]
+            parts.append(f"at {f.filename}:{f.lineno}" +
+                         (f": {f.line.strip()}" if f.line else ""))
+        return " ".join(["tracing the first step", ", ".join(parts)]).strip()
+
     def nodes(self):
         """The trace as plain records (picklable, for the broadcast from pp rank 0)."""
         records = []
@@ -125,22 +145,3 @@ def make_plan(records):
     nodes = to_module_nodes(records)
     return nodes, _C.partition.make_plan(nodes, opts)
 
-
-def where_it_failed(trace, exc):
-    """Where the traced model raised `exc`: the module whose call was in progress (the
-    innermost) and the last line of the model's own code that ran (not torch's, not
-    smp's), as a phrase for the error every rank raises."""
-    import os
-    import traceback
-    parts = []
-    if trace._stack:  # a call that raised never popped its entry
-        name, module, _ = trace.table[trace._stack[-1][0]]
-        parts.append(f"in module '{name or '<root>'}' ({type(module).__name__})")
-    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                 for m in (torch, core) if getattr(m, "__file__", None))
-    user = [f for f in traceback.extract_tb(exc.__traceback__)
-            if not os.path.abspath(f.filename).startswith(skip)]
-    if user:
-        f = user[-1]
-        parts.append(f"at {f.filename}:{f.lineno}" + (f": {f.line.strip()}" if f.line else ""))
-    return "tracing the first step " + ", ".join(parts) if parts else "tracing the first step"

@@ -43,7 +43,7 @@ const std::vector<NeutralKey>& neutral_keys() {
   static const std::vector<NeutralKey> keys = {
       {"tensor_parallel_degree", 1}, {"sharded_data_parallel_degree", 1},
       {"horovod", false},
-      {"fp16_params", false}, {"fp16", false}, {"bf16", false},
+      {"fp16_params", false},
       {"offload_activations", false}, {"prescaled_batch", false},
       {"delayed_parameter_initialization", false}};
   return keys;
@@ -149,7 +149,7 @@ std::vector<std::string> config_keys() {
       "ddp",            "placement_strategy",       "optimize",     "auto_partition",
       "default_partition", "memory_weight",         "active_microbatches", "contiguous",
       "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing",
-      "p2p_transport",  "shard_optimizer_state"};
+      "p2p_transport",  "shard_optimizer_state", "fp16", "bf16"};
   for (const auto& k : neutral_keys()) keys.push_back(k.name);
   for (const auto& k : ignored_keys()) keys.push_back(k.first);
   std::sort(keys.begin(), keys.end());
@@ -218,6 +218,11 @@ Config Config::from_json(const std::string& text, int rank) {
   c.timeout_s = p.get_double("timeout_s", 300.0, 0.0, 1e7, /*lo_open=*/true);
   c.skip_tracing = p.get_bool("skip_tracing", false);
   c.shard_optimizer_state = p.get_bool("shard_optimizer_state", false);
+  c.fp16 = p.get_bool("fp16", false);
+  c.bf16 = p.get_bool("bf16", false);
+  if (c.fp16 && c.bf16)
+    p.fail("bf16", true, "allowed together with 'fp16'=true (one half-precision dtype per "
+           "job: set one of them)");
   c.checkpoint_dir = p.get_string("checkpoint_dir", "");
   c.p2p_transport = p.get_choice("p2p_transport", "auto", {"auto", "tcp", "c10d"});
   for (const auto& k : neutral_keys()) {
@@ -254,6 +259,8 @@ std::string Config::to_json() const {
             {"timeout_s", timeout_s},
             {"skip_tracing", skip_tracing},
             {"shard_optimizer_state", shard_optimizer_state},
+            {"fp16", fp16},
+            {"bf16", bf16},
             {"checkpoint_dir", checkpoint_dir},
             {"p2p_transport", p2p_transport},
             {"pipeline_parallel_degree", partitions},

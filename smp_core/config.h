@@ -52,6 +52,11 @@ struct Config {
   // Each dp rank keeps the optimizer state of its share of the parameters (SMP v1.6+;
   // Note [Sharded optimizer state] in python/smp/optimizer_sharding.py).
   bool shard_optimizer_state = false;
+  // Mixed precision (SMP v1.10): the model's floating-point parameters and buffers are
+  // kept in fp16 (loss-scaled, fp32 master weights in smp.DistributedOptimizer) or bf16
+  // on their owner after partitioning. At most one of the two.
+  bool fp16 = false;
+  bool bf16 = false;
   // Where smp.save_checkpoint writes, and where a (re)started job resumes from by itself
   // (Note [Automatic resume] in python/smp/auto_resume.py); "" = none. smprun's
   // --checkpoint_dir sets it too (SMP_CHECKPOINT_DIR); this key wins.

@@ -13,6 +13,7 @@
 #include "smp_core/detail/task_pool.h"
 #include "smp_core/dispatch.h"
 #include "smp_core/errors.h"
+#include "smp_core/loss_scale.h"
 #include "smp_core/p2p.h"
 #include "smp_core/plan.h"
 #include "smp_core/reducer.h"
@@ -561,10 +562,13 @@ void bind_pipeline(py::module_& m) {
            }, py::arg("reducer"), py::arg("hold"), release())
       // Note [Step's finish]: at the step's end, in C++: the tied gradients' sum, then
       // (a reducing step) arming a rank with no backward work and the reducer's finalize.
+      // Note [One overflow decision] (smp_core/loss_scale.cpp): with `overflow`, the
+      // job-wide check of the final gradients comes last.
       .def("finish_step_with", [](Dispatcher& d, std::shared_ptr<TiedGradients> tied,
-                                  std::shared_ptr<Reducer> reducer) {
+                                  std::shared_ptr<Reducer> reducer,
+                                  std::shared_ptr<OverflowCheck> overflow) {
              Dispatcher* dp = &d;  // the finish lives in `d`: no cycle through a shared_ptr
-             d.finish_at_step_end([dp, tied, reducer](bool backward) {
+             d.finish_at_step_end([dp, tied, reducer, overflow](bool backward) {
                if (!backward) {
                  if (tied) tied->restore();
                  return;
@@ -574,8 +578,9 @@ void bind_pipeline(py::module_& m) {
                  dp->arm_now();  // a rank that had no backward work of its own
                  reducer->finalize();
                }
+               if (overflow) overflow->run();
              });
-           }, py::arg("tied"), py::arg("reducer"), release())
+           }, py::arg("tied"), py::arg("reducer"), py::arg("overflow") = nullptr, release())
       .def("finish_began", &Dispatcher::finish_began)
       .def("arm_now", &Dispatcher::arm_now, release())
       .def("disarm", &Dispatcher::disarm, release())

@@ -19,6 +19,7 @@ from smp.optimizer import DistributedOptimizer
 from smp.partitioning import partition
 from smp.activation_checkpointing import set_activation_checkpointing
 from smp.deferred_init import delay_param_initialization
+from smp.mixed_precision import model_creation
 from smp.step import StepOutput, step
 from smp.checkpoint import (
     CheckpointError, load, resume_from_checkpoint, save, save_checkpoint,
@@ -68,5 +69,5 @@ __all__ = [
     "recv_from", "allgather", "gather", "num_microbatches", "is_tracing", "amp",
     "DistributedModel", "DistributedOptimizer", "GradBucket", "ddp_comm_hooks", "StepOutput", "step", "partition", "model",
     "clip_grad_norm_", "ModelMismatchError", "UnreducedGradientError", "TiedCopiesError", "__version__", "CheckpointError", "save", "load", "save_checkpoint",
-    "resume_from_checkpoint", "set_activation_checkpointing", "delay_param_initialization",
+    "resume_from_checkpoint", "set_activation_checkpointing", "delay_param_initialization", "model_creation",
 ]

@@ -467,11 +467,14 @@ def lazy_modules(module):
     return [n for n, m in module.named_modules() if isinstance(m, lazy)]
 
 
-def materialize(module, device=None):
+def materialize(module, device=None, dtype=None):
     """Gives every meta parameter and buffer of `module` real storage: those with
     elements (the ones this rank keeps) get their values (replayed, or from
     `reset_parameters()` where nothing was recorded); empty ones (released by the
-    partition) become empty tensors on the device.
+    partition) become empty tensors on the device. With `dtype` (config fp16/bf16:
+    Note [Half-precision model] in smp/mixed_precision.py) floating-point values are
+    cast to it as soon as their recording is replayed (a model recorded under
+    smp.model_creation(dtype=...) replays in that dtype from the start).
 
     Returns the names of the tensors initialized without a record (for the warning).
     """
@@ -492,6 +495,11 @@ def materialize(module, device=None):
             real = r.replay({_key(t) for _, _, _, t in es})
             for _, _, _, t in es:
                 _become(t, _view(real[_key(t)], _Ref(t), r.device_of(t)))
+            del real
+            if dtype is not None:
+                for _, _, _, t in es:
+                    if t.is_floating_point() and t.dtype != dtype:
+                        t.data = t.data.to(dtype)
         no_reset = _reset_unrecorded(module, unrecorded, device or torch.device("cpu"))
         for _, _, _, t in entries:
             if t.is_meta:  # released: nothing to hold

@@ -30,7 +30,7 @@ from smp import core
 __all__ = []
 
 
-def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
+def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False, grad_of=None):
     """Clips the gradients of every partition of `model` by their global norm.
 
     Args:
@@ -38,6 +38,8 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
         max_norm: the largest norm allowed (> 0).
         norm_type: p of the p-norm (a number > 0, or inf).
         error_if_nonfinite: raise if the global norm is nan or inf.
+        grad_of: `grad_of(p)`, the gradient to count and clip for parameter `p`
+            (default: p.grad; the fp32 master gradients: smp/mixed_precision.py).
 
     Returns:
         The global norm (a 0-d tensor), the same on every rank.
@@ -56,7 +58,8 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
     if not norm_type > 0:
         raise ValueError(f"smp.clip_grad_norm_: norm_type={norm_type} is not a number > 0 "
                          "or inf")
-    params = [p for p in model.local_parameters() if p.grad is not None]
+    grad_of = grad_of or (lambda p: p.grad)
+    params = [p for p in model.local_parameters() if grad_of(p) is not None]
     tied = model.pipeline.tied if model.pipeline is not None else None
     counted = [p for p in params if tied is None or tied.is_counted_here(p)]
     # Note [Sharded optimizer state]: each gradient is kept (or, tied, counted) on one
@@ -64,8 +67,8 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
     shard = model.replica.shard
     if shard is not None:
         counted = [p for p in counted if shard.owns(p)]
-    device = params[0].grad.device if params else torch.device("cpu")
-    grads = [p.grad.detach() for p in counted]
+    device = grad_of(params[0]).device if params else torch.device("cpu")
+    grads = [grad_of(p).detach() for p in counted]
     if math.isinf(norm_type):
         local = (torch.stack([g.abs().max().to(device) for g in grads]).max() if grads
                  else torch.zeros((), device=device))
@@ -84,7 +87,8 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
                            "gradients is non-finite, so it cannot be clipped")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
-        p.grad.detach().mul_(coef.to(p.grad.device))
+        g = grad_of(p)
+        g.detach().mul_(coef.to(g.device))
     return total
 
 

@@ -17,7 +17,7 @@ import torch
 
 from smp import core
 from smp import activation_checkpointing, agreement, deferred_init, grad_guard
-from smp import optimizer_sharding
+from smp import mixed_precision, optimizer_sharding
 from smp import join as _join
 from smp.model_pipeline import PipelinePart
 from smp.model_state import COMPILED, ModelStateMixin, canonical_key
@@ -235,6 +235,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             self._grad_guard = None
         if self.pipeline is not None:
             self.pipeline.shutdown()
+        mixed_precision.reset()
 
     # --- the step ---------------------------------------------------------------------
 
@@ -325,12 +326,15 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self._state_shapes = {k: tuple(v.shape) for k, v in self._state_tensors.items()}
         if self._deferred and core.pp_size() == 1:
             deferred_init.check_budget(self.module, core.state.optimizer, 1)
-            deferred_init.materialize(self.module)
+            deferred_init.materialize(self.module, dtype=mixed_precision.model_dtype())
         if core.pp_size() > 1:
             part = PipelinePart(self.module, fn, mb_inputs, self.trace_execution_times,
                                 self.trace_memory_usage, self._stepping, self._deferred)
             self._plan, self._owner, self._module_table = part.plan, part.owner, part.module_table
             self.pipeline = part
+        # Note [Half-precision model] (smp/mixed_precision.py): before the dp broadcast,
+        # which then moves half the bytes.
+        mixed_precision.cast_model(self)
         if self.replica.reduces:
             # Deferred to the first step, not wrap time (SMP semantics).
             self.replica.broadcast_state()
@@ -374,6 +378,12 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         if self.average_grads_across_microbatches and num_mb > 1:
             grad_tensors = [(torch.ones_like(t) if g is None else g) / num_mb
                             for t, g in zip(tensors, grad_tensors)]
+        scale = mixed_precision.loss_scale()  # fp16 (Note [Half-precision model])
+        if scale != 1.0:
+            # As Megatron's `loss.float() * scale`: the scale reaches a half-precision
+            # loss in its dtype (inf where it exceeds fp16's range: an overflow).
+            grad_tensors = [(torch.ones_like(t, dtype=torch.float32) if g is None else g.float())
+                            .mul(scale).to(t.dtype) for t, g in zip(tensors, grad_tensors)]
         if core.state.tracing:
             return  # the trace runs forward only
         if self.pipeline is not None:

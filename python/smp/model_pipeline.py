@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from smp import agreement, core, deferred_init, log, remote_errors, tracer
+from smp import agreement, core, deferred_init, log, mixed_precision, remote_errors, tracer
 from smp.nested import map_leaves
 
 __all__ = []
@@ -134,7 +134,7 @@ class PipelinePart:
         self.tied = placement.apply(self.module_table, self.owner, self.engine, core.pp_rank())
         if deferred:  # Note [Memory budget]: every rank says whether it fits, then allocates
             deferred_init.check_budget(module, core.state.optimizer, core.pp_size())
-            deferred_init.materialize(module)
+            deferred_init.materialize(module, dtype=mixed_precision.model_dtype())
         self.tied.sync_values()
         self.engine.order_gradients(module.parameters())
         self._hold = None  # reducer indices of tied parameters (held to finalize)
@@ -160,7 +160,10 @@ class PipelinePart:
             self.tied.check_copies()  # Note [Tied copies] (placement.py)
             # Note [Step's finish] (smp_core/dispatch.cpp): as the step ends, the
             # dispatcher sums the tied gradients and finalizes the reducer, in C++.
-            dispatch.finish_step_with(self.tied.begin_step(), reducer)
+            # With fp16 or a GradScaler, last: the step's overflow, agreed (Note [One
+            # overflow decision] in smp_core/loss_scale.cpp).
+            dispatch.finish_step_with(self.tied.begin_step(), reducer,
+                                      mixed_precision.overflow_check(core.state.model))
             try:
                 results, backward = self.engine.run_step(fn, mb_inputs)
             except BaseException as exc:

@@ -17,7 +17,7 @@ import types
 import torch
 
 from smp import auto_resume, core
-from smp import model_state, optimizer_sharding
+from smp import mixed_precision, model_state, optimizer_sharding
 
 __all__ = []
 
@@ -61,7 +61,15 @@ def _to_names(self, sd, full=False):
     names = _param_names(self, full)
     state = {names[i]: s for i, s in sd["state"].items()}
     groups = [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return _with_scaler({"state": state, "param_groups": groups}, sd)
+
+
+def _with_scaler(out, sd):
+    """`out` with `sd`'s loss scaler state (Note [Master weights]), which is the same
+    on every rank."""
+    if mixed_precision.SCALER_KEY in sd:
+        out[mixed_precision.SCALER_KEY] = sd[mixed_precision.SCALER_KEY]
+    return out
 
 
 def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
@@ -80,9 +88,10 @@ def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
     if gather_if_shard and optimizer_sharding.of(self) is not None:
         shares = core.allgather(sd, core.CommGroup.DP_GROUP)
         full = _param_names(self, full=True)
-        sd = {"state": {n: st for share in shares for n, st in share["state"].items()},
-              "param_groups": [dict(g, params=[full[i] for i in g["params"]])
-                               for g in _full_groups_by_position(self)]}
+        sd = _with_scaler(
+            {"state": {n: st for share in shares for n, st in share["state"].items()},
+             "param_groups": [dict(g, params=[full[i] for i in g["params"]])
+                              for g in _full_groups_by_position(self)]}, sd)
         if local is not None:
             sd = _keep_local(sd, full, _groups(self, full=True), local)
     sd[model_state.PARTIAL_KEY] = core.pp_size() > 1
@@ -95,9 +104,9 @@ def _keep_local(sd, names, groups, local):
     the parameters of `groups` in order."""
     params = [p for ps in groups for p in ps]
     keep = {n for n, p in zip(names, params) if id(p) in local}
-    return {"state": {n: s for n, s in sd["state"].items() if n in keep},
-            "param_groups": [dict(g, params=[n for n in g["params"] if n in keep])
-                             for g in sd["param_groups"]]}
+    return _with_scaler({"state": {n: s for n, s in sd["state"].items() if n in keep},
+                         "param_groups": [dict(g, params=[n for n in g["params"] if n in keep])
+                                          for g in sd["param_groups"]]}, sd)
 
 
 def _full_groups_by_position(self):
@@ -130,8 +139,8 @@ def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
         state.update(part["state"])
     names = _param_names(self, full=True)
     index = {n: i for i, n in enumerate(names)}
-    return {"state": {index[n]: s for n, s in state.items() if n in index},
-            "param_groups": _full_groups_by_position(self)}
+    return _with_scaler({"state": {index[n]: s for n, s in state.items() if n in index},
+                         "param_groups": _full_groups_by_position(self)}, local)
 
 
 @core.api_call("optimizer.load_state_dict()")
@@ -144,6 +153,7 @@ def _load_state_dict(self, state_dict):
         self._smp_pending_state = state_dict  # loaded after partitioning (SMP v1)
         return None
     sd = dict(state_dict)
+    scaler_state = sd.pop(mixed_precision.SCALER_KEY, None)
     partial = bool(sd.pop(model_state.PARTIAL_KEY, False))
     from_shards = bool(sd.pop(model_state.SHARDS_KEY, False))  # smp.save(..., v3=True)'s shares
     if not sd.pop(_BY_NAME, False):  # torch's positions: over every parameter
@@ -172,7 +182,10 @@ def _load_state_dict(self, state_dict):
     for j, n in enumerate(names):
         if n in needed_set and n in state:
             torch_sd["state"][j] = state[n]
-    return self._smp_orig_load_state_dict(torch_sd)
+    if scaler_state is not None:
+        torch_sd[mixed_precision.SCALER_KEY] = scaler_state
+    # Note [Master weights]: the masters and the scaler go to smp, the rest to torch.
+    return mixed_precision.load_state(self, torch_sd, self._smp_orig_load_state_dict)
 
 
 def _step(self, *args, **kwargs):
@@ -181,25 +194,49 @@ def _step(self, *args, **kwargs):
     if auto_resume.optimizer_step_skipped():
         return None
     # Note [Sharded optimizer state]: this rank's share, in rounds, exchanged as it goes.
-    out = optimizer_sharding.step(self, self._smp_orig_step, args, kwargs)
-    return out
+    if mixed_precision.of(self) is None:
+        return optimizer_sharding.step(self, self._smp_orig_step, args, kwargs)
+    # Note [Master weights]: the overflow decided, the masters stepped, the scale moved.
+    return mixed_precision.step(
+        self, lambda own: optimizer_sharding.step(self, own, args, kwargs), self._smp_orig_step)
 
 
-def DistributedOptimizer(optimizer):  # noqa: N802  (SMP v1 name)
-    """Adds `local_state_dict()` and partial-aware `state_dict`/`load_state_dict`.
+def _clip_master_grads(self, max_norm, norm_type=2):
+    """SMP v1.10: clips the fp32 master gradients by their global norm over every rank
+    holding part of the model (tied copies once); -1 when the step overflowed."""
+    return mixed_precision.clip_master_grads(self, max_norm, norm_type)
+
+
+def DistributedOptimizer(optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,  # noqa: N802
+                         dynamic_loss_args=None, master_weights=True):
+    """Adds `local_state_dict()` and partial-aware `state_dict`/`load_state_dict`;
+    under config fp16/bf16, fp32 master weights and (fp16) loss scaling (Note [Master
+    weights] in smp/mixed_precision.py).
 
     Args:
         optimizer: a torch.optim.Optimizer built on the model's parameters.
+        static_loss_scale: fp16's constant loss scale (SMP v1.10), when not dynamic.
+        dynamic_loss_scale: fp16: move the scale by the overflows (SMP v1.10).
+        dynamic_loss_args: {init_scale, scale_factor, scale_window, min_scale,
+            delayed_shift, consecutive_hysteresis} (SMP v1.10, Megatron's rules).
+        master_weights: bf16: step fp32 master copies (default); False steps the bf16
+            parameters themselves. fp16 always keeps masters.
 
     Returns:
-        The same optimizer object.
+        The same optimizer object, with `overflow`, `loss_scale` and
+        `clip_master_grads(max_norm, norm_type=2)` added.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"smp.DistributedOptimizer: optimizer={optimizer!r} is not a "
                          "torch.optim.Optimizer")
+    mixed_precision.setup_optimizer(optimizer, static_loss_scale, dynamic_loss_scale,
+                                    dynamic_loss_args, master_weights)
     if not hasattr(optimizer, "_smp_orig_state_dict"):
-        optimizer._smp_orig_state_dict = optimizer.state_dict
+        own_state_dict = optimizer.state_dict
+        optimizer._smp_orig_state_dict = (
+            lambda: mixed_precision.add_state(optimizer, own_state_dict()))
         optimizer._smp_orig_load_state_dict = optimizer.load_state_dict
+        optimizer.clip_master_grads = types.MethodType(_clip_master_grads, optimizer)
         optimizer._smp_pending_state = None
         optimizer.state_dict = types.MethodType(_state_dict, optimizer)
         optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)

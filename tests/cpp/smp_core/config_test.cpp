@@ -159,6 +159,22 @@ TEST(Config, CanonicalJsonHasSmpNames) {
   EXPECT_EQ(Config::from_json("{}").to_json().find("ddp_port"), std::string::npos);
 }
 
+// Mixed precision (SMP v1.10): fp16 or bf16, never both.
+TEST(Config, OneHalfPrecisionDtype) {
+  EXPECT_TRUE(Config::from_json(R"({"fp16": true})").fp16);
+  EXPECT_TRUE(Config::from_json(R"({"bf16": true})").bf16);
+  try {
+    Config::from_json(R"({"fp16": true, "bf16": true})", 2);
+    FAIL();
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("'bf16'=true"), std::string::npos) << m;
+    EXPECT_NE(m.find("'fp16'=true"), std::string::npos) << m;
+    EXPECT_NE(m.find("(rank 2)"), std::string::npos) << m;
+  }
+  EXPECT_THROW(Config::from_json(R"({"fp16": 1})"), ConfigError);
+}
+
 TEST(Config, ValidateWorld) {
   Config c = Config::from_json(R"({"partitions": 3})");
   EXPECT_NO_THROW(c.validate_world(6));

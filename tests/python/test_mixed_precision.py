@@ -32,7 +32,8 @@ out = {}
 def job(steps, resume=None, save=None):
     smp.init(cfg)
     torch.manual_seed(0)
-    net = mp_nets.TiedNet(smp.partition)
+    with smp.delay_param_initialization(enabled=opts.get("deferred", False)):
+        net = mp_nets.TiedNet(smp.partition)
     model = smp.DistributedModel(net)
     kw = {}
     if opts["dtype"] == "fp16":
@@ -42,10 +43,12 @@ def job(steps, resume=None, save=None):
     if resume:
         smp.resume_from_checkpoint(resume)
     cur = {"step": -1, "mb": -1}
-    for name, p in model.local_named_parameters():
-        if name == mp_nets.INF_PARAM and smp.dp_rank() == 0:
-            p.register_hook(lambda g: g * float("inf") if cur["step"] == opts.get("inf_step")
-                            and smp.state.microbatch_of_task() == 0 else g)
+
+    def inject():  # after partitioning (a deferred tensor is swapped for its value then)
+        for name, p in model.local_named_parameters():
+            if name == mp_nets.INF_PARAM and smp.dp_rank() == 0:
+                p.register_hook(lambda g: g * float("inf") if cur["step"] == opts.get("inf_step")
+                                and smp.state.microbatch_of_task() == 0 else g)
 
     @smp.step
     def train_step(x, y):
@@ -53,6 +56,8 @@ def job(steps, resume=None, save=None):
         model.backward(loss)
         return loss
 
+    if not opts.get("deferred"):
+        inject()
     rec = dict(losses=[], scales=[], overflows=[], norms=[], dtypes=set())
     first = opts.get("first_step", 0)
     for step in range(first, first + steps):
@@ -61,6 +66,8 @@ def job(steps, resume=None, save=None):
         lo = smp.dp_rank() * mp_nets.PER
         loss = train_step(x[lo:lo + mp_nets.PER], y[lo:lo + mp_nets.PER]).reduce_mean().item()
         rec["losses"].append(sum(smp.allgather(loss, smp.DP_GROUP)) / smp.dp_size())
+        if step == first and opts.get("deferred"):
+            inject()
         if opts.get("clip"):
             rec["norms"].append(float(opt.clip_master_grads(opts["clip"])))
         opt.step()
@@ -108,8 +115,8 @@ BASE = dict(lr=0.05, steps=6, scaler=SCALER, inf_step=3, clip=1.0)
 def _run(ranks, tmp_path, world, dtype, **extra):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "out.json"
-    opts = dict(BASE, dtype=dtype, cfg={"partitions": 2, "ddp": True}, out=str(path),
-                dir=str(tmp_path / "ckpt"), **extra)
+    opts = {**BASE, "cfg": {"partitions": 2, "ddp": True}, **extra, "dtype": dtype,
+            "out": str(path), "dir": str(tmp_path / "ckpt")}
     ranks(TRAIN, world, args=(json.dumps(opts),), timeout=300)
     return json.loads(path.read_text()), opts
 
@@ -121,9 +128,13 @@ def _worst(a, b):
     return worst
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
-def test_fp16_dynamic_scaling_is_one_decision_and_equals_the_reference(ranks, tmp_path, world):
-    got, opts = _run(ranks, tmp_path, world, "fp16")
+@pytest.mark.parametrize("world,extra", [
+    (2, {}), (4, {}), (4, {"cfg": {"partitions": 2, "ddp": True, "shard_optimizer_state": True}}),
+    (2, {"deferred": True}),
+], ids=["pp2", "pp2xdp2", "pp2xdp2-sharded", "pp2-deferred"])
+def test_fp16_dynamic_scaling_is_one_decision_and_equals_the_reference(ranks, tmp_path, world,
+                                                                        extra):
+    got, opts = _run(ranks, tmp_path, world, "fp16", **extra)
     ref = mp_nets.reference(dict(opts, dp=world // 2))
     # The injected inf (pp rank 1, dp rank 0, step 3) makes every rank skip step 3
     # and halve its scale: one sequence on every rank, the reference's.

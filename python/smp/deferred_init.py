@@ -564,10 +564,17 @@ def fully_recorded(module):
                for _, _, _, t in state_tensors(module) if t.is_meta and t.numel() > 0)
 
 
+def is_recorded(t):
+    """Whether `t` is a deferred tensor with a recorded init to replay."""
+    return _recording_of(t) is not None
+
+
 @contextlib.contextmanager
-def materialized_on_use(module):
+def materialized_on_use(module, dtype=None):
     """Inside, operations on `module`'s recorded meta tensors see their real values
-    (Note [Traced on real values]); the Python objects stay meta tensors."""
+    (Note [Traced on real values]); the Python objects stay meta tensors. With `dtype`
+    (config fp16/bf16) floating-point values are seen in it, as the model will hold
+    them."""
     from torch.utils._python_dispatch import TorchDispatchMode
     cache = {}       # storage key -> real storage
     frames = [[]]    # per module call in progress: the keys it materialized
@@ -581,7 +588,10 @@ def materialized_on_use(module):
         if key not in cache:
             cache[key] = r.replay({key})[key]
             frames[-1].append(key)
-        return _view(cache[key], _Ref(t), r.device_of(t))
+        value = _view(cache[key], _Ref(t), r.device_of(t))
+        if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+            value = value.to(dtype)
+        return value
 
     class _OnUse(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -90,6 +90,33 @@ def model_creation(tensor_parallelism=False, dtype=None, **tensor_parallel_confi
         torch.set_default_dtype(before)
 
 
+def cast_module(module):
+    """Note [Half-precision model]: at wrap time, every floating-point parameter and
+    buffer of `module` that has a value (or is a meta tensor without a recorded init),
+    in place, so the first step's trace runs the model as it will train. A deferred
+    model's recorded tensors are cast as they are materialized instead."""
+    dtype = model_dtype()
+    if dtype is None:
+        return
+    from smp import deferred_init
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t.is_floating_point() and t.dtype != dtype and not deferred_init.is_recorded(t):
+                t.data = t.data.to(dtype)
+
+
+def cast_inputs(args, kwargs):
+    """The model's floating-point tensor inputs in the config's dtype (as torch FSDP's
+    `cast_forward_inputs`): a batch of fp32 features meets fp16 weights otherwise."""
+    dtype = model_dtype()
+    if dtype is None:
+        return args, kwargs
+    from smp.nested import map_leaves
+    return map_leaves((args, kwargs), lambda t: t.to(dtype),
+                      lambda x: isinstance(x, torch.Tensor) and x.is_floating_point()
+                      and x.dtype != dtype)
+
+
 def cast_model(model):
     """Note [Half-precision model]: this rank's floating-point parameters and buffers,
     in place, to the config's dtype (nothing without fp16/bf16)."""
@@ -167,6 +194,10 @@ def setup_optimizer(optimizer, static_loss_scale, dynamic_loss_scale, dynamic_lo
                                 if dtype is not None else None)
     optimizer.overflow = False
     optimizer.loss_scale = scaler.scale if dtype == torch.float16 else 1.0
+    if dtype is not None:
+        # SMP v1.10's fp16 optimizer is a wrapper whose `.optimizer` is torch's (Hugging
+        # Face's Trainer builds its LR scheduler on it); here they are one object.
+        optimizer.optimizer = optimizer
     return optimizer
 
 

@@ -138,6 +138,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         _watch_compile()
         # Note [Replayed init] (smp/deferred_init.py): meta tensors until partitioned.
         self._deferred = deferred_init.is_deferred(module)
+        mixed_precision.cast_module(module)  # Note [Half-precision model]
         self.trace_device = trace_device
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -212,6 +213,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         if not self._in_step and core.pp_size() > 1:
             raise RuntimeError("smp: a partitioned DistributedModel can only be called inside "
                                "an @smp.step function")
+        args, kwargs = mixed_precision.cast_inputs(args, kwargs)
         return self.module(*args, **kwargs)
 
     # The parts' objects under the names tests and tools have used.

@@ -44,7 +44,8 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
     core.state.tracing = True
     error = None
     before = deferred_init.state_tensors(module) if deferred else None
-    values = (deferred_init.materialized_on_use(module) if on_use else
+    values = (deferred_init.materialized_on_use(module, mixed_precision.model_dtype())
+              if on_use else
               torch.device("meta") if on_meta else contextlib.nullcontext())
     try:
         with stepping(), recording, torch.no_grad(), _eager(), _backward_refused(), values:

@@ -1,0 +1,165 @@
+// The multi-tensor machinery of the fused optimizers (internal; included only from
+// smp_core/optim/*.cpp): a parameter group cut into fixed chunks that at::parallel_for
+// shares between threads, tiles converted to fp32 and back, and loops over 16 lanes
+// that the compiler vectorizes.
+//
+// Note [Fused optimizer kernels]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A step is one pass (or two, LAMB's trust ratio needs each tensor's norms first) over
+// every tensor of a parameter group, not one torch op per tensor per term:
+// - Work is cut into chunks of kChunk elements of one tensor each, numbered in the
+//   group's order; at::parallel_for gives each thread a contiguous run of chunks. A
+//   chunk's sums go to its own slot and the slots add up in chunk order, so a norm does
+//   not depend on the number of threads.
+// - Tensors are taken in blocks of up to kBlockElems elements (a tensor larger than
+//   that is a block alone): a block's second pass runs right after its first, and the
+//   same thread takes the same chunks in both (parallel_for splits the same range the
+//   same way), so what the first pass read is still in that core's cache.
+// - Inside a chunk, tiles of kTile elements: an fp16/bf16 tile is converted to fp32 in
+//   a buffer on the stack, the fp32 loop runs, and the parameter goes back in its
+//   dtype (round to nearest even, as torch's .to()). Math is fp32; state is fp32.
+// - Loops run over kLanes independent lanes (sums in lane j of elements i with
+//   i % kLanes == j), which the compiler turns into vector code of any width without
+//   reordering a sum: the AVX-512, AVX2 and baseline clones (SMP_OPTIM_CLONES) give
+//   the same bits. A tile's lanes (64 fp32 terms each) add up in double, then the
+//   tiles, then the chunks: a norm keeps ~1e-7 of relative precision. The files build
+//   with -ffp-contract=off (no fused multiply-adds that one clone would have and
+//   another not) and -fno-math-errno (sqrt vectorizes).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+// The function is compiled for AVX-512 (x86-64-v4), AVX2+FMA+F16C (x86-64-v3) and the
+// baseline, and the loader picks one for the CPU it runs on (GCC's target_clones).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SMP_OPTIM_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SMP_OPTIM_CLONES
+#endif
+#if defined(__GNUC__)
+#define SMP_OPTIM_INLINE inline __attribute__((always_inline))
+#else
+#define SMP_OPTIM_INLINE inline
+#endif
+
+namespace smp::optim::detail {
+
+// Independent accumulators of a loop (a 512-bit vector of floats).
+constexpr int kLanes = 16;
+// Elements converted to fp32 at a time (three fp32 buffers of it on the stack).
+constexpr int64_t kTile = 1024;
+// Elements of one unit of parallel work (256 KiB of fp32).
+constexpr int64_t kChunk = int64_t{1} << 16;
+// Elements of one block of tensors whose two passes run back to back (Note [Fused
+// optimizer kernels]): 4 MiB per fp32 array, a core's L2 for the arrays a pass reads.
+constexpr int64_t kBlockElems = int64_t{1} << 20;
+
+// A run of elements [begin, end) of tensor `tensor` of a group.
+struct Chunk {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// The chunks of tensors [first, last) of sizes `numels`, in order.
+std::vector<Chunk> make_chunks(const std::vector<int64_t>& numels, size_t first, size_t last);
+
+// Consecutive ranges [first, last) of tensors of at most `block_elems` elements each (a
+// larger tensor alone), covering every tensor.
+std::vector<std::pair<size_t, size_t>> make_blocks(const std::vector<int64_t>& numels,
+                                                   int64_t block_elems);
+
+// Runs fn(chunk_index) for every chunk, in parallel over torch's intra-op threads.
+template <class Fn>
+void for_each_chunk(const std::vector<Chunk>& chunks, const Fn& fn) {
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) fn(c);
+  });
+}
+
+// n elements of `src` (dtype fp32, fp16 or bf16) as fp32, and back (round to nearest
+// even). `src`/`dst` point at the first element.
+void to_float(at::ScalarType dtype, const void* src, float* dst, int64_t n);
+void from_float(at::ScalarType dtype, const float* src, void* dst, int64_t n);
+
+// The sum of kLanes lane partials, in lane order, in double.
+SMP_OPTIM_INLINE double sum_lanes(const float* lanes) {
+  double s = 0;
+  for (int j = 0; j < kLanes; ++j) s += lanes[j];
+  return s;
+}
+
+// Sum of x^2 over n fp32 elements into `lanes`.
+SMP_OPTIM_INLINE void add_squares(const float* __restrict x, int64_t n,
+                                  float* __restrict lanes) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) lanes[j] += x[i + j] * x[i + j];
+  }
+  for (int j = 0; i < n; ++i, ++j) lanes[j] += x[i] * x[i];
+}
+
+// max |x| over n fp32 elements into `lanes` (NaN propagates).
+SMP_OPTIM_INLINE void max_abs(const float* __restrict x, int64_t n, float* __restrict lanes) {
+  auto step = [](float acc, float v) {
+    float a = v < 0 ? -v : v;
+    return (a > acc || a != a) ? a : acc;
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) lanes[j] = step(lanes[j], x[i + j]);
+  }
+  for (int j = 0; i < n; ++i, ++j) lanes[j] = step(lanes[j], x[i]);
+}
+
+// Per tensor t in [first, last) of `tensors` (contiguous, CPU, fp32/fp16/bf16): the sum
+// of x^2, or max |x| with `max_abs`, in chunk order (norms.cpp).
+std::vector<double> reduce_tensors(const std::vector<at::Tensor>& tensors, size_t first,
+                                   size_t last, bool max_abs);
+
+// A tile of a tensor as fp32: its own memory (fp32) or `buf` holding a converted copy.
+struct Tile {
+  const at::Tensor& tensor;
+  int64_t offset;
+  int64_t n;
+  float* data;
+  Tile(const at::Tensor& t, int64_t offset, int64_t n, float* buf)
+      : tensor(t), offset(offset), n(n) {
+    auto* base = static_cast<char*>(t.data_ptr()) + offset * t.element_size();
+    if (t.scalar_type() == at::kFloat) {
+      data = reinterpret_cast<float*>(base);
+    } else {
+      to_float(t.scalar_type(), base, buf, n);
+      data = buf;
+    }
+  }
+  // Writes a converted tile back in the tensor's dtype.
+  void store() {
+    if (tensor.scalar_type() != at::kFloat) {
+      from_float(tensor.scalar_type(), data,
+                         static_cast<char*>(tensor.data_ptr()) + offset * tensor.element_size(),
+                         n);
+    }
+  }
+};
+
+inline float* state_at(const at::Tensor& t, int64_t offset) { return t.data_ptr<float>() + offset; }
+
+// The contiguous tensor a kernel writes: `t` itself, or a contiguous copy that
+// write_back() copies into `t`.
+struct Writable {
+  at::Tensor original;
+  at::Tensor data;
+  explicit Writable(const at::Tensor& t);
+  void write_back();
+};
+
+}  // namespace smp::optim::detail

@@ -1,0 +1,281 @@
+// LAMB over a parameter group (lamb.h).
+//
+// Note [LAMB step]
+// ~~~~~~~~~~~~~~~~
+// apex's FusedLAMB (csrc/multi_tensor_lamb.cu) in fp32 math, step by step:
+// 1. clip = global_grad_norm / max_grad_norm if the norm is above max_grad_norm, else
+//    1; every gradient is divided by it (g / clip, as apex divides).
+// 2. L2 mode (adam_w_mode false): g += weight_decay * p.
+// 3. m = beta1 m + beta3 g; v = beta2 v + (1 - beta2) g g.
+// 4. u = (m / bc1) / (sqrt(v / bc2) + eps), bc = 1 - beta^step (1 without bias
+//    correction); AdamW mode: u += weight_decay * p.
+// 5. ratio = lr * ||p|| / ||u|| per tensor when the tensor has weight decay or
+//    use_nvlamb is set, and both norms are nonzero; else lr. p -= ratio * u.
+// apex writes u into the gradient between its two kernels; here the gradient is left
+// as it was: the first pass stores m and v and sums p^2 and u^2, the second computes u
+// again from the stored m, v and the unchanged p (the same fp32 operations, so the same
+// bits: the files build without contraction, Note [Fused optimizer kernels]) and
+// updates p. A tensor whose ratio is lr (no weight decay, no NVLAMB) takes one pass.
+// apex keeps fp16 parameters' m and v in fp16 and rounds u to fp16; here state and u
+// are fp32 for every parameter dtype, and only the new parameter is rounded.
+#include "smp_core/optim/lamb.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "smp_core/errors.h"
+#include "smp_core/optim/detail/multi_tensor.h"
+
+namespace smp::optim {
+namespace {
+
+using detail::Chunk;
+using detail::kLanes;
+using detail::kTile;
+
+// One tensor's fp32 constants.
+struct Scalars {
+  float beta1, beta2, beta3, one_minus_beta2, bc1, bc2, eps, decay, clip;
+};
+
+// Steps 1-3 of Note [LAMB step] for one element.
+template <bool kAdamW>
+SMP_OPTIM_INLINE void moments(float g, float p, float& m, float& v, const Scalars& s) {
+  float sg = g / s.clip;
+  if (!kAdamW) sg = sg + s.decay * p;
+  m = m * s.beta1 + s.beta3 * sg;
+  v = v * s.beta2 + s.one_minus_beta2 * sg * sg;
+}
+
+// Step 4: the update from the new m and v.
+template <bool kAdamW>
+SMP_OPTIM_INLINE float update(float m, float v, float p, const Scalars& s) {
+  float u = (m / s.bc1) / (std::sqrt(v / s.bc2) + s.eps);
+  if (kAdamW) u = u + s.decay * p;
+  return u;
+}
+
+// First pass over a tile: m and v in place, p^2 and u^2 into lanes.
+template <bool kAdamW>
+SMP_OPTIM_INLINE void tile_moments(const float* __restrict g, const float* __restrict p,
+                                   float* __restrict m, float* __restrict v, int64_t n,
+                                   const Scalars& s, float* __restrict lanes_p,
+                                   float* __restrict lanes_u) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) {
+      float mm = m[i + j], vv = v[i + j], pp = p[i + j];
+      moments<kAdamW>(g[i + j], pp, mm, vv, s);
+      m[i + j] = mm;
+      v[i + j] = vv;
+      float u = update<kAdamW>(mm, vv, pp, s);
+      lanes_p[j] += pp * pp;
+      lanes_u[j] += u * u;
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {
+    float mm = m[i], vv = v[i], pp = p[i];
+    moments<kAdamW>(g[i], pp, mm, vv, s);
+    m[i] = mm;
+    v[i] = vv;
+    float u = update<kAdamW>(mm, vv, pp, s);
+    lanes_p[j] += pp * pp;
+    lanes_u[j] += u * u;
+  }
+}
+
+// Second pass: p -= ratio * u, u again from the stored m and v.
+template <bool kAdamW>
+SMP_OPTIM_INLINE void tile_apply(float* __restrict p, const float* __restrict m,
+                                 const float* __restrict v, int64_t n, const Scalars& s,
+                                 float ratio) {
+  for (int64_t i = 0; i < n; ++i) p[i] = p[i] - ratio * update<kAdamW>(m[i], v[i], p[i], s);
+}
+
+// Both at once, where the ratio is lr.
+template <bool kAdamW>
+SMP_OPTIM_INLINE void tile_fused(const float* __restrict g, float* __restrict p,
+                                 float* __restrict m, float* __restrict v, int64_t n,
+                                 const Scalars& s, float lr) {
+  for (int64_t i = 0; i < n; ++i) {
+    float mm = m[i], vv = v[i], pp = p[i];
+    moments<kAdamW>(g[i], pp, mm, vv, s);
+    m[i] = mm;
+    v[i] = vv;
+    p[i] = pp - lr * update<kAdamW>(mm, vv, pp, s);
+  }
+}
+
+// The loops above compiled for each instruction set (SMP_OPTIM_CLONES), per mode.
+SMP_OPTIM_CLONES void moments_adamw(const float* g, const float* p, float* m, float* v,
+                                    int64_t n, const Scalars& s, float* lp, float* lu) {
+  tile_moments<true>(g, p, m, v, n, s, lp, lu);
+}
+SMP_OPTIM_CLONES void moments_l2(const float* g, const float* p, float* m, float* v,
+                                 int64_t n, const Scalars& s, float* lp, float* lu) {
+  tile_moments<false>(g, p, m, v, n, s, lp, lu);
+}
+SMP_OPTIM_CLONES void apply_adamw(float* p, const float* m, const float* v, int64_t n,
+                                  const Scalars& s, float ratio) {
+  tile_apply<true>(p, m, v, n, s, ratio);
+}
+SMP_OPTIM_CLONES void apply_l2(float* p, const float* m, const float* v, int64_t n,
+                               const Scalars& s, float ratio) {
+  tile_apply<false>(p, m, v, n, s, ratio);
+}
+SMP_OPTIM_CLONES void fused_adamw(const float* g, float* p, float* m, float* v, int64_t n,
+                                  const Scalars& s, float lr) {
+  tile_fused<true>(g, p, m, v, n, s, lr);
+}
+SMP_OPTIM_CLONES void fused_l2(const float* g, float* p, float* m, float* v, int64_t n,
+                               const Scalars& s, float lr) {
+  tile_fused<false>(g, p, m, v, n, s, lr);
+}
+
+void check_lists(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& exp_avgs,
+                 const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<int64_t>& steps) {
+  size_t n = params.size();
+  SMP_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                steps.size() == n,
+            "optim: lamb_step: ", n, " params but ", grads.size(), " grads, ", exp_avgs.size(),
+            " exp_avgs, ", exp_avg_sqs.size(), " exp_avg_sqs and ", steps.size(), " steps");
+  for (size_t i = 0; i < n; ++i) {
+    const auto& p = params[i];
+    auto dt = p.scalar_type();
+    SMP_CHECK(p.device().is_cpu() && grads[i].device().is_cpu(), "optim: lamb_step: param ",
+              i, " is on ", p.device(), " and its grad on ", grads[i].device(),
+              "; the kernel steps CPU tensors");
+    SMP_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+              "optim: lamb_step: param ", i, " has dtype ", dt,
+              ", not one of {float32, float16, bfloat16}");
+    SMP_CHECK(grads[i].scalar_type() == dt && grads[i].sizes() == p.sizes(),
+              "optim: lamb_step: param ", i, " is ", dt, p.sizes(), " but its grad ",
+              grads[i].scalar_type(), grads[i].sizes());
+    for (const auto* s : {&exp_avgs[i], &exp_avg_sqs[i]}) {
+      SMP_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->device().is_cpu() &&
+                    s->numel() == p.numel(),
+                "optim: lamb_step: the state of param ", i, " (", p.numel(),
+                " elements) is not a contiguous CPU float32 tensor of as many elements: ",
+                s->scalar_type(), s->sizes());
+    }
+    SMP_CHECK(steps[i] >= 1, "optim: lamb_step: steps[", i, "]=", steps[i], " is not >= 1");
+  }
+}
+
+}  // namespace
+
+void validate(const LambOptions& o) {
+  auto bad = [](const char* name, double value, const char* allowed) {
+    throw ConfigError(str_cat("smp: FusedLamb ", name, "=", value, " is not ", allowed));
+  };
+  if (!(o.lr >= 0)) bad("lr", o.lr, "a number >= 0");
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) bad("betas[0]", o.beta1, "in [0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) bad("betas[1]", o.beta2, "in [0, 1)");
+  if (!(o.eps >= 0)) bad("eps", o.eps, "a number >= 0");
+  if (!(o.weight_decay >= 0)) bad("weight_decay", o.weight_decay, "a number >= 0");
+  if (!(o.max_grad_norm >= 0)) {
+    bad("max_grad_norm", o.max_grad_norm, "a number >= 0 (0 or inf: no clipping)");
+  }
+}
+
+void lamb_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs,
+               const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<int64_t>& steps,
+               double global_grad_norm, const LambOptions& o) {
+  validate(o);
+  check_lists(params, grads, exp_avgs, exp_avg_sqs, steps);
+  size_t n = params.size();
+  std::vector<detail::Writable> ps;
+  std::vector<at::Tensor> gs;
+  std::vector<int64_t> numels;
+  ps.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    ps.emplace_back(params[i]);
+    gs.push_back(grads[i].contiguous());
+    numels.push_back(params[i].numel());
+  }
+  // Note [LAMB step] 1: in fp32, as apex compares and divides.
+  float norm = static_cast<float>(global_grad_norm);
+  float max_norm = static_cast<float>(o.max_grad_norm);
+  float clip = (max_norm > 0 && norm > max_norm) ? norm / max_norm : 1.0f;
+  std::vector<Scalars> scalars(n);
+  for (size_t i = 0; i < n; ++i) {
+    Scalars& s = scalars[i];
+    s.beta1 = static_cast<float>(o.beta1);
+    s.beta2 = static_cast<float>(o.beta2);
+    s.beta3 = o.grad_averaging ? 1.0f - s.beta1 : 1.0f;
+    s.one_minus_beta2 = 1.0f - s.beta2;
+    s.bc1 = o.bias_correction ? static_cast<float>(1 - std::pow(s.beta1, steps[i])) : 1.0f;
+    s.bc2 = o.bias_correction ? static_cast<float>(1 - std::pow(s.beta2, steps[i])) : 1.0f;
+    s.eps = static_cast<float>(o.eps);
+    s.decay = static_cast<float>(o.weight_decay);
+    s.clip = clip;
+  }
+  const float lr = static_cast<float>(o.lr);
+  const bool adaptive = o.use_nvlamb || o.weight_decay != 0;
+  auto moments_fn = o.adam_w_mode ? moments_adamw : moments_l2;
+  auto apply_fn = o.adam_w_mode ? apply_adamw : apply_l2;
+  auto fused_fn = o.adam_w_mode ? fused_adamw : fused_l2;
+
+  for (auto [first, last] : detail::make_blocks(numels, detail::kBlockElems)) {
+    auto chunks = detail::make_chunks(numels, first, last);
+    if (!adaptive) {
+      detail::for_each_chunk(chunks, [&](int64_t c) {
+        const Chunk& ch = chunks[c];
+        float gbuf[kTile], pbuf[kTile];
+        for (int64_t b = ch.begin; b < ch.end; b += kTile) {
+          int64_t len = std::min(kTile, ch.end - b);
+          detail::Tile g(gs[ch.tensor], b, len, gbuf), p(ps[ch.tensor].data, b, len, pbuf);
+          fused_fn(g.data, p.data, detail::state_at(exp_avgs[ch.tensor], b),
+                   detail::state_at(exp_avg_sqs[ch.tensor], b), len, scalars[ch.tensor], lr);
+          p.store();
+        }
+      });
+      continue;
+    }
+    std::vector<double> sum_p(chunks.size()), sum_u(chunks.size());
+    detail::for_each_chunk(chunks, [&](int64_t c) {
+      const Chunk& ch = chunks[c];
+      float gbuf[kTile], pbuf[kTile];
+      for (int64_t b = ch.begin; b < ch.end; b += kTile) {
+        int64_t len = std::min(kTile, ch.end - b);
+        detail::Tile g(gs[ch.tensor], b, len, gbuf), p(ps[ch.tensor].data, b, len, pbuf);
+        float lanes_p[kLanes] = {}, lanes_u[kLanes] = {};  // a tile's, added in double
+        moments_fn(g.data, p.data, detail::state_at(exp_avgs[ch.tensor], b),
+                   detail::state_at(exp_avg_sqs[ch.tensor], b), len, scalars[ch.tensor], lanes_p,
+                   lanes_u);
+        sum_p[c] += detail::sum_lanes(lanes_p);
+        sum_u[c] += detail::sum_lanes(lanes_u);
+      }
+    });
+    // Per tensor, in chunk order: ||p||^2 and ||u||^2, then the ratio (in fp32, as apex).
+    std::vector<double> pp(last - first, 0.0), uu(last - first, 0.0);
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      pp[chunks[c].tensor - first] += sum_p[c];
+      uu[chunks[c].tensor - first] += sum_u[c];
+    }
+    std::vector<float> ratio(last - first);
+    for (size_t t = 0; t < ratio.size(); ++t) {
+      float pn = static_cast<float>(std::sqrt(pp[t]));
+      float un = static_cast<float>(std::sqrt(uu[t]));
+      ratio[t] = (pn != 0.0f && un != 0.0f) ? lr * (pn / un) : lr;
+    }
+    detail::for_each_chunk(chunks, [&](int64_t c) {
+      const Chunk& ch = chunks[c];
+      float pbuf[kTile];
+      for (int64_t b = ch.begin; b < ch.end; b += kTile) {
+        int64_t len = std::min(kTile, ch.end - b);
+        detail::Tile p(ps[ch.tensor].data, b, len, pbuf);
+        apply_fn(p.data, detail::state_at(exp_avgs[ch.tensor], b),
+                 detail::state_at(exp_avg_sqs[ch.tensor], b), len, scalars[ch.tensor],
+                 ratio[ch.tensor - first]);
+        p.store();
+      }
+    });
+  }
+  for (auto& p : ps) p.write_back();
+}
+
+}  // namespace smp::optim

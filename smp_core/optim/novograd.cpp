@@ -1,0 +1,176 @@
+// NovoGrad over a parameter group (novograd.h).
+//
+// Note [NovoGrad step]
+// ~~~~~~~~~~~~~~~~~~~~
+// apex's FusedNovoGrad (csrc/multi_tensor_novograd.cu and the norm blend of
+// multi_tensor_l2norm_kernel.cu) in fp32 math, per tensor:
+// 1. n = ||g||_2 (L2; s = n^2 the sum of squares) or max |g| (inf).
+// 2. On the tensor's first step v = n, unless init_zero (v = 0). Then every step
+//    v = sqrt(beta2 v^2 + (1 - beta2) s) (L2) or beta2 v + (1 - beta2) n (inf), so a
+//    first step that starts at n keeps n.
+// 3. bc1 = 1 - beta1^step, bc2 = sqrt(1 - beta2^step) (both 1 without bias correction);
+//    denom = v / bc2 + eps.
+// 4. Per element, beta3 = 1 - beta1 with grad_averaging (else 1):
+//    default (apex moment mode 1): m = beta1 m + beta3 g;
+//                                  p -= lr ((m / bc1) / denom + weight_decay p)
+//    reg_inside_moment (mode 0):   m = beta1 m + beta3 (g / denom + weight_decay p);
+//                                  p -= lr (m / bc1)
+// apex keeps v of a group in one tensor per dtype in the param group; here each
+// parameter holds its own (a one-element fp32 tensor), so a parameter's step does not
+// depend on which others are stepped with it (optimizer-state sharding steps a share
+// of the group at a time). m is fp32 for every parameter dtype (apex: the parameter's).
+#include "smp_core/optim/novograd.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "smp_core/errors.h"
+#include "smp_core/optim/detail/multi_tensor.h"
+
+namespace smp::optim {
+namespace {
+
+using detail::Chunk;
+using detail::kTile;
+
+// One tensor's fp32 constants (Note [NovoGrad step] 3-4).
+struct Scalars {
+  float beta1, beta3, bc1, denom, decay, lr;
+};
+
+template <bool kInside>
+SMP_OPTIM_INLINE void tile_update(const float* __restrict g, float* __restrict p,
+                                  float* __restrict m, int64_t n, const Scalars& s) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (kInside) {
+      float gn = g[i] / s.denom + s.decay * p[i];
+      m[i] = s.beta1 * m[i] + s.beta3 * gn;
+      p[i] = p[i] - s.lr * (m[i] / s.bc1);
+    } else {
+      m[i] = s.beta1 * m[i] + s.beta3 * g[i];
+      float u = (m[i] / s.bc1) / s.denom + s.decay * p[i];
+      p[i] = p[i] - s.lr * u;
+    }
+  }
+}
+
+SMP_OPTIM_CLONES void update_outside(const float* g, float* p, float* m, int64_t n,
+                                     const Scalars& s) {
+  tile_update<false>(g, p, m, n, s);
+}
+SMP_OPTIM_CLONES void update_inside(const float* g, float* p, float* m, int64_t n,
+                                    const Scalars& s) {
+  tile_update<true>(g, p, m, n, s);
+}
+
+void check_lists(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& exp_avgs,
+                 const std::vector<at::Tensor>& grad_norms, const std::vector<int64_t>& steps) {
+  size_t n = params.size();
+  SMP_CHECK(grads.size() == n && exp_avgs.size() == n && grad_norms.size() == n &&
+                steps.size() == n,
+            "optim: novograd_step: ", n, " params but ", grads.size(), " grads, ",
+            exp_avgs.size(), " exp_avgs, ", grad_norms.size(), " grad_norms and ",
+            steps.size(), " steps");
+  for (size_t i = 0; i < n; ++i) {
+    const auto& p = params[i];
+    auto dt = p.scalar_type();
+    SMP_CHECK(p.device().is_cpu() && grads[i].device().is_cpu(),
+              "optim: novograd_step: param ", i, " is on ", p.device(), " and its grad on ",
+              grads[i].device(), "; the kernel steps CPU tensors");
+    SMP_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+              "optim: novograd_step: param ", i, " has dtype ", dt,
+              ", not one of {float32, float16, bfloat16}");
+    SMP_CHECK(grads[i].scalar_type() == dt && grads[i].sizes() == p.sizes(),
+              "optim: novograd_step: param ", i, " is ", dt, p.sizes(), " but its grad ",
+              grads[i].scalar_type(), grads[i].sizes());
+    const auto& m = exp_avgs[i];
+    SMP_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.device().is_cpu() &&
+                  m.numel() == p.numel(),
+              "optim: novograd_step: exp_avgs[", i, "] is not a contiguous CPU float32 tensor of ",
+              p.numel(), " elements: ", m.scalar_type(), m.sizes());
+    const auto& v = grad_norms[i];
+    SMP_CHECK(v.scalar_type() == at::kFloat && v.numel() == 1 && v.device().is_cpu(),
+              "optim: novograd_step: grad_norms[", i,
+              "] is not a one-element CPU float32 tensor: ", v.scalar_type(), v.sizes());
+    SMP_CHECK(steps[i] >= 1, "optim: novograd_step: steps[", i, "]=", steps[i],
+              " is not >= 1");
+  }
+}
+
+}  // namespace
+
+void validate(const NovoGradOptions& o) {
+  auto bad = [](const char* name, double value, const char* allowed) {
+    throw ConfigError(str_cat("smp: FusedNovoGrad ", name, "=", value, " is not ", allowed));
+  };
+  if (!(o.lr >= 0)) bad("lr", o.lr, "a number >= 0");
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) bad("betas[0]", o.beta1, "in [0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) bad("betas[1]", o.beta2, "in [0, 1)");
+  if (!(o.eps >= 0)) bad("eps", o.eps, "a number >= 0");
+  if (!(o.weight_decay >= 0)) bad("weight_decay", o.weight_decay, "a number >= 0");
+  if (o.norm_type != NovoGradNorm::kL2 && o.norm_type != NovoGradNorm::kInf) {
+    bad("norm_type", static_cast<int>(o.norm_type), "one of {2 (L2), 0 (infinity)}");
+  }
+}
+
+void novograd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                   const std::vector<at::Tensor>& exp_avgs,
+                   const std::vector<at::Tensor>& grad_norms, const std::vector<int64_t>& steps,
+                   const NovoGradOptions& o) {
+  validate(o);
+  check_lists(params, grads, exp_avgs, grad_norms, steps);
+  size_t n = params.size();
+  std::vector<detail::Writable> ps;
+  std::vector<at::Tensor> gs;
+  std::vector<int64_t> numels;
+  ps.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    ps.emplace_back(params[i]);
+    gs.push_back(grads[i].contiguous());
+    numels.push_back(params[i].numel());
+  }
+  const bool inf = o.norm_type == NovoGradNorm::kInf;
+  const float beta1 = static_cast<float>(o.beta1), beta2 = static_cast<float>(o.beta2);
+  const float one_minus_beta2 = 1.0f - beta2;
+  auto update_fn = o.reg_inside_moment ? update_inside : update_outside;
+
+  for (auto [first, last] : detail::make_blocks(numels, detail::kBlockElems)) {
+    // Note [NovoGrad step] 1-3, per tensor of the block.
+    std::vector<double> norms = detail::reduce_tensors(gs, first, last, inf);
+    std::vector<Scalars> scalars(last - first);
+    for (size_t t = first; t < last; ++t) {
+      float s = static_cast<float>(norms[t - first]);  // sum of squares, or max |g|
+      float fresh = inf ? s : static_cast<float>(std::sqrt(norms[t - first]));
+      float* v = grad_norms[t].data_ptr<float>();
+      if (steps[t] == 1) *v = o.init_zero ? 0.0f : fresh;
+      *v = inf ? beta2 * *v + one_minus_beta2 * s
+               : std::sqrt(beta2 * *v * *v + one_minus_beta2 * s);
+      Scalars& sc = scalars[t - first];
+      sc.beta1 = beta1;
+      sc.beta3 = o.grad_averaging ? 1.0f - beta1 : 1.0f;
+      sc.bc1 = o.bias_correction ? static_cast<float>(1 - std::pow(beta1, steps[t])) : 1.0f;
+      float bc2 =
+          o.bias_correction ? static_cast<float>(std::sqrt(1 - std::pow(beta2, steps[t]))) : 1.0f;
+      sc.denom = *v / bc2 + static_cast<float>(o.eps);
+      sc.decay = static_cast<float>(o.weight_decay);
+      sc.lr = static_cast<float>(o.lr);
+    }
+    // 4: the update, tile by tile.
+    auto chunks = detail::make_chunks(numels, first, last);
+    detail::for_each_chunk(chunks, [&](int64_t c) {
+      const Chunk& ch = chunks[c];
+      float gbuf[kTile], pbuf[kTile];
+      for (int64_t b = ch.begin; b < ch.end; b += kTile) {
+        int64_t len = std::min(kTile, ch.end - b);
+        detail::Tile g(gs[ch.tensor], b, len, gbuf), p(ps[ch.tensor].data, b, len, pbuf);
+        update_fn(g.data, p.data, detail::state_at(exp_avgs[ch.tensor], b), len,
+                  scalars[ch.tensor - first]);
+        p.store();
+      }
+    });
+  }
+  for (auto& p : ps) p.write_back();
+}
+
+}  // namespace smp::optim

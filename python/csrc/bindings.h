@@ -16,6 +16,7 @@ void bind_powersgd(pybind11::module_& m);    // PowerSGD hook state
 void bind_model(pybind11::module_& m);       // DistributedModel's checks (fingerprints)
 void bind_launcher(pybind11::module_& m);    // launcher/'s SLURM parsing (smp.init under srun)
 void bind_amp(pybind11::module_& m);         // loss scaler, overflow check (mixed precision)
+void bind_optim(pybind11::module_& m);       // fused optimizer steps (LAMB, NovoGrad)
 
 // Seconds a binding's collective may wait when the caller gives none: the runtime's
 // timeout_s after smp.init, else 300 (bind_reducer.cpp).

@@ -13,6 +13,7 @@ PYBIND11_MODULE(_C, m) {
   smp::python::bind_model(m);
   smp::python::bind_launcher(m);
   smp::python::bind_amp(m);
+  smp::python::bind_optim(m);
 #ifdef SMP_HAVE_SMP_PARTITION
   smp::python::bind_partition(m);
 #endif

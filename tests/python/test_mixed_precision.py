@@ -297,3 +297,121 @@ def test_bad_settings_fail_clearly_on_every_rank(ranks, case, words):
         assert line, r
         for w in words:
             assert w in line[0], line[0]
+
+
+def test_model_creation_builds_in_the_dtype_and_restores_the_default():
+    import smp
+    for dtype in (torch.float16, torch.bfloat16):
+        with smp.model_creation(dtype=dtype):
+            layer = torch.nn.Linear(2, 2)
+            norm = torch.nn.LayerNorm(2)
+        assert layer.weight.dtype == norm.bias.dtype == dtype
+        assert torch.get_default_dtype() == torch.float32
+    with pytest.raises(smp.ConfigError, match=r"dtype=torch.int8 .*allowed"):
+        with smp.model_creation(dtype=torch.int8):
+            pass
+    with pytest.raises(smp.ConfigError, match="tensor_parallelism=True"):
+        with smp.model_creation(tensor_parallelism=True):
+            pass
+
+
+HF_FP16 = r"""
+import json, sys
+import torch
+import smp
+import hf_nets
+
+opts = json.loads(sys.argv[1])
+smp.init({"partitions": 2, "microbatches": 2, "fp16": True})
+torch.manual_seed(0)
+net = hf_nets.build(opts["kind"])
+model = smp.DistributedModel(net)
+# Hugging Face's Trainer under SMP fp16: DistributedOptimizer, the LR scheduler on its
+# `.optimizer`, clip_master_grads, and the scheduler held back on an overflowed step.
+opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3),
+                               dynamic_loss_scale=True, dynamic_loss_args=opts["scaler"])
+sched = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda s: 1.0 / (1 + s))
+
+
+@smp.step
+def smp_forward_backward(model, inputs):
+    loss = model(**inputs)["loss"]
+    model.backward(loss)
+    return loss
+
+
+losses, scales, norms = [], [], []
+for step in range(opts["steps"]):
+    b = hf_nets.batch(opts["kind"], step)
+    losses.append(smp_forward_backward(model, b).reduce_mean().item())
+    norms.append(float(opt.clip_master_grads(1.0)))
+    opt.step()
+    if not opt.overflow:
+        sched.step()
+    scales.append(opt.loss_scale)
+    opt.zero_grad()
+every = smp.allgather([scales, norms], smp.WORLD)
+if smp.rank() == 0:
+    with open(opts["out"], "w") as f:
+        json.dump(dict(losses=losses, every=every,
+                       dtypes=sorted({str(p.dtype) for p in model.local_parameters()})), f)
+smp.shutdown()
+"""
+
+
+def _hf_fp16_reference(kind, steps, scaler_args):
+    import hf_nets
+    torch.manual_seed(0)
+    net = hf_nets.build(kind).half()
+    params = [p for p in net.parameters()]
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    scaler = mp_nets.Scaler(**scaler_args)
+    losses, scales, norms = [], [], []
+    for step in range(steps):
+        b = hf_nets.batch(kind, step)
+        parts = []
+        for mb in range(2):
+            sl = slice(mb * hf_nets.BATCH // 2, (mb + 1) * hf_nets.BATCH // 2)
+            loss = net(**{k: v[sl] for k, v in b.items()})["loss"]
+            parts.append(loss.item())
+            (loss.float() / 2 * scaler.scale).backward()
+        losses.append(sum(parts) / 2)
+        overflow = any(not torch.isfinite(p.grad.float()).all() for p in params
+                       if p.grad is not None)
+        if not overflow:
+            for p, m in zip(params, masters):
+                m.grad = None if p.grad is None else p.grad.float() / scaler.scale
+            norms.append(torch.nn.utils.clip_grad_norm_(masters, 1.0).item())
+            opt.step()
+            sched.step()
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+        else:
+            norms.append(-1)
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+        net.zero_grad()
+    return losses, scales, norms
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_hf_models_train_in_fp16_at_pp2_as_one_process(ranks, tmp_path, kind):
+    pytest.importorskip("transformers")
+    path = tmp_path / "out.json"
+    # init_scale 2**19 overflows fp16 (max 65504) in the logits' gradient: the first
+    # steps are skipped everywhere and the scale halves, as in Megatron's first steps
+    # at its default 2**32.
+    scaler = {"init_scale": 2.0 ** 19, "scale_window": 2}
+    opts = dict(kind=kind, steps=5, scaler=scaler, out=str(path))
+    ranks(HF_FP16, 2, args=(json.dumps(opts),), timeout=300)
+    got = json.loads(path.read_text())
+    losses, scales, norms = _hf_fp16_reference(kind, 5, scaler)
+    assert got["dtypes"] == ["torch.float16"]
+    for got_scales, got_norms in got["every"]:
+        assert got_scales == scales
+        assert got_norms == pytest.approx(norms, rel=5e-3)
+    assert norms[0] == -1 and norms[-1] != -1, norms
+    assert got["losses"] == pytest.approx(losses, abs=5e-3)

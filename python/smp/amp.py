@@ -15,6 +15,8 @@ device it unscaled. Every rank then skips the same steps and moves its scale the
 way. The first step that meets a scaler nobody announced (torch's, made before smp
 saw it) decides on the main thread, where every rank makes the same call.
 """
+import warnings
+
 import torch
 
 from smp import core, mixed_precision
@@ -39,6 +41,13 @@ class GradScaler(_Base):
                  growth_interval=2000, enabled=True, device=None):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if enabled and mixed_precision.model_dtype() == torch.float16:
+            # Config fp16 keeps fp16 gradients, which torch's scaler refuses to unscale;
+            # there the loss scale is smp.DistributedOptimizer's (SMP v1.10).
+            warnings.warn("smp.amp.GradScaler: config 'fp16'=true scales the loss in "
+                          "smp.DistributedOptimizer (static_loss_scale, dynamic_loss_scale); "
+                          "this GradScaler passes through", stacklevel=2)
+            enabled = False
         if _TORCH_AMP:
             super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                              backoff_factor=backoff_factor, growth_interval=growth_interval,

@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include "smp_core/autocast_state.h"
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/detail/autograd_graph.h"
 #include "smp_core/detail/split_backward.h"
@@ -209,7 +210,12 @@ struct Dispatcher::Impl {
   std::map<std::tuple<int, int64_t, int64_t>, Kept> kept;  // (src, mb, call id) ->
   // Note [Zero bubble at run time].
   bool split_step = false;  // this step's plan is zero_bubble (driver and serving ranks)
-  std::map<int64_t, std::deque<detail::WeightHalf>> weights;  // serving: mb -> pending W
+  // A W to run later, under the autocast state of its request (Note [Autocast travels]).
+  struct PendingWeight {
+    detail::WeightHalf half;
+    int64_t autocast = 0;
+  };
+  std::map<int64_t, std::deque<PendingWeight>> weights;  // serving: mb -> pending W
   int64_t weights_left = 0;   // serving: W of the plan not yet run
   bool weights_owed = false;  // serving: the driver awaits this step's kWeightsDone
   std::string weight_error;   // serving: the first W that failed (its encoded error)
@@ -288,10 +294,18 @@ struct Dispatcher::Impl {
 
   // Runs `msg` with the token held (the caller holds it) and sends the answer. A
   // request that carries a random stream runs from it (`installed`: the token's
-  // hand-over already did) and its answer carries the stream on.
+  // hand-over already did) and its answer carries the stream on. It runs under the
+  // caller's autocast state (Note [Autocast travels]).
   void run_held(const Message& msg, bool installed = false) {
     auto t0 = std::chrono::steady_clock::now();
     if (!installed) task_rng::install(msg.rng);
+    std::optional<autocast_state::Scope> autocast;
+    try {
+      autocast.emplace(msg.autocast);
+    } catch (const std::exception& e) {
+      answer_error(msg, e.what());
+      throw;
+    }
     Message answer;
     std::optional<Kept> mine = msg.kind == kBackwardRequest ? take_kept(msg) : std::nullopt;
     // Note [Zero bubble at run time]: I now, W at its turn; a backward run whole comes
@@ -392,7 +406,7 @@ struct Dispatcher::Impl {
       }
       if (split) {  // even an empty one: its W counts the call's backward as over
         std::lock_guard<std::mutex> lock(mu);
-        weights[msg.mb].push_back(std::move(weight));
+        weights[msg.mb].push_back({std::move(weight), msg.autocast});
         stats.split_backwards++;
       }
       answer.kind = kBackwardResponse;
@@ -472,7 +486,7 @@ struct Dispatcher::Impl {
   void drop_kept() {
     // Destroyed after the lock: a graph may hold Python nodes, whose end takes the GIL.
     std::map<std::tuple<int, int64_t, int64_t>, Kept> gone;
-    std::map<int64_t, std::deque<detail::WeightHalf>> gone_weights;
+    std::map<int64_t, std::deque<PendingWeight>> gone_weights;
     std::lock_guard<std::mutex> lock(mu);
     gone.swap(kept);
     gone_weights.swap(weights);
@@ -502,19 +516,20 @@ struct Dispatcher::Impl {
   }
 
   // Runs one W as the token's holder, its microbatch the task's meanwhile (the gate's).
-  void run_one_weight(int64_t mb, detail::WeightHalf w) {
+  void run_one_weight(int64_t mb, PendingWeight w) {
     TaskContext* task = current_task();
     const int64_t saved = task ? task->mb.load() : -1;
     if (task) task->mb = mb;
     const auto t0 = std::chrono::steady_clock::now();
     bool failed = false;
     try {
-      w.run();
+      const autocast_state::Scope autocast(w.autocast);
+      w.half.run();
     } catch (...) {
       failed = true;
       weight_failed(std::current_exception(), mb);
     }
-    w = detail::WeightHalf();  // the graph goes now
+    w.half = detail::WeightHalf();  // the graph goes now
     const auto t1 = std::chrono::steady_clock::now();
     if (task) task->mb = saved;
     {
@@ -527,11 +542,11 @@ struct Dispatcher::Impl {
   }
 
   // The oldest pending W of microbatch `mb` (kAny: of the lowest microbatch pending).
-  std::optional<std::pair<int64_t, detail::WeightHalf>> take_weight(int64_t mb) {
+  std::optional<std::pair<int64_t, PendingWeight>> take_weight(int64_t mb) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = mb == kAny ? weights.begin() : weights.find(mb);
     if (it == weights.end()) return std::nullopt;
-    std::pair<int64_t, detail::WeightHalf> w{it->first, std::move(it->second.front())};
+    std::pair<int64_t, PendingWeight> w{it->first, std::move(it->second.front())};
     it->second.pop_front();
     if (it->second.empty()) weights.erase(it);
     return w;
@@ -582,7 +597,7 @@ struct Dispatcher::Impl {
 
   void weight_failed(std::exception_ptr error, int64_t mb) {
     std::string meta = failure_meta(error, mb, /*weight=*/true);
-    std::map<int64_t, std::deque<detail::WeightHalf>> gone;  // the step fails: no more W
+    std::map<int64_t, std::deque<PendingWeight>> gone;  // the step fails: no more W
     {
       std::lock_guard<std::mutex> lock(mu);
       if (!weight_error.empty()) return;
@@ -1224,6 +1239,8 @@ void Dispatcher::drive(MicrobatchFn run) {
   const bool streams = I.rng_streams;
   const uint64_t seed = I.step_seed;
   const RestoreRng outer(streams, I.rng_cuda);
+  // Note [Autocast travels]: the step's caller's, on every task thread.
+  const int64_t autocast = autocast_state::capture();
   // Note [Executed plan]: the path the last training step's calls took, as this step's
   // plan, announced to every pp rank before any request.
   std::vector<int64_t> path;
@@ -1243,7 +1260,8 @@ void Dispatcher::drive(MicrobatchFn run) {
     for (int r = 1; r < I.p2p->size(); ++r) I.p2p->send(r, announce);
     I.p2p->order_token(true);
   }
-  auto worker = [&I, n, run, streams, seed] {
+  auto worker = [&I, n, run, streams, seed, autocast] {
+    const autocast_state::Scope caller(autocast);
     while (true) {
       // Under a plan a microbatch is claimed first and starts at its planned turn.
       // Otherwise the next microbatch is claimed while holding the token, so
@@ -1442,6 +1460,7 @@ Message Dispatcher::request_native(int dst, Message request, int32_t kind, bool 
   auto& I = *impl_;
   if (I.p2p->rank() == 0) I.record_call(request.mb, dst, backward);  // Note [Executed plan]
   if (I.rng_streams) request.rng = task_rng::capture(I.rng_cuda);
+  request.autocast = autocast_state::capture();  // Note [Autocast travels]
   const int64_t mb = request.mb, call_id = request.call_id;
   I.p2p->send(dst, request);
   Message answer = wait(mb, call_id, kind, backward, what, for_holder);

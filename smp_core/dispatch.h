@@ -99,8 +99,9 @@ class Dispatcher {
   void order_gradients(const std::vector<at::Tensor>& params);
 
   // Driver: runs `run` for microbatches 0 .. microbatches-1 (begin_step's count) on
-  // at most schedule().window() threads, in microbatch order; returns when every one
-  // has returned. Rethrows the first exception a `run` let escape.
+  // at most schedule().window() threads, in microbatch order, under the calling
+  // thread's autocast state (Note [Autocast travels] in autocast_state.h); returns
+  // when every one has returned. Rethrows the first exception a `run` let escape.
   void drive(MicrobatchFn run);
 
   // Note [Step end]: the driver's step from its start to its end. As drive(), with
@@ -128,7 +129,8 @@ class Dispatcher {
   // Sends `request` (a kRequest or kBackwardRequest of the calling task's microbatch)
   // to pp rank `dst` and waits for its answer (`kind`) as wait() does. With random
   // streams on, the request carries the task's stream and the task continues from the
-  // one the answer brings back.
+  // one the answer brings back. The request carries the calling thread's autocast
+  // state, which its owner runs it under (Note [Autocast travels]).
   Message call(int dst, Message request, int32_t kind, bool backward, const std::string& what,
                bool for_holder = false);
   // call() from C++ (a remote call's backward node, remote_call.h): the same, not counted

@@ -35,9 +35,9 @@ using namespace detail::wire;  // the format's constants (detail/wire.h)
 // A header with total_bytes 0 says the sender's engine is shutting down.
 //
 // Header, all int64: magic, total_bytes, mb, call_id, kind, meta_len, n_tensors, epoch,
-// rng_len; per tensor: dtype | flags, ndim, dims[kMaxDims], strides[kMaxDims]. Flags:
-// kByC10d (the bytes follow by c10d send/recv, not on the socket), kOnCuda (a CUDA
-// tensor).
+// rng_len, autocast (Message::autocast); per tensor: dtype | flags, ndim, dims[kMaxDims],
+// strides[kMaxDims]. Flags: kByC10d (the bytes follow by c10d send/recv, not on the
+// socket), kOnCuda (a CUDA tensor).
 //
 // Note [Layout travels]: a tensor arrives with the strides it was sent with when its
 // elements are dense and do not overlap (a transposed view, a channels-last batch):
@@ -178,6 +178,7 @@ struct P2PEngine::Impl {
         m.call_id = h.call_id;
         m.kind = h.kind;
         m.epoch = h.epoch;
+        m.autocast = h.autocast;
         std::vector<int64_t> desc(static_cast<size_t>(h.n_tensors) * kWordsPerTensor);
         if (!desc.empty()) read_or_fail(fd, desc.data(), desc.size() * 8);
         std::vector<TensorSpec> specs;
@@ -440,7 +441,7 @@ void P2PEngine::send(int dst, const Message& msg) {
     total += t.numel() * static_cast<int64_t>(t.element_size());
   }
   head[0] = kMagic, head[1] = total, head[2] = msg.mb, head[3] = msg.call_id, head[4] = msg.kind;
-  head[5] = meta_len, head[6] = n, head[8] = rng_len;
+  head[5] = meta_len, head[6] = n, head[8] = rng_len, head[9] = msg.autocast;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     head[7] = impl_->epoch;

@@ -70,6 +70,9 @@ struct Message {
   // The microbatch's random stream travelling with a call and its answer (opaque
   // bytes of task_rng.h; empty: none). Note [Microbatch random streams].
   std::string rng;
+  // The sender's autocast state (autocast_state.h; 0: off), on requests: the owner runs
+  // them under it (Note [Autocast travels]).
+  int64_t autocast = 0;
 };
 
 // Where a message's tensors travel (Note [Payload transports]).

@@ -14,12 +14,14 @@ parameters, buffers and hooks, on every rank. What changes is where a module run
   start equal (`TiedParameters.sync_values`) and its gradient is summed across its
   holders after every step (Note [Tied gradient sum], smp_core/tied_grads.cpp).
 - The train/eval mode of a module's whole subtree travels with every remote call,
-  so the owner runs it in the mode the caller has (Note [Mode travels with the call]).
+  so the owner runs it in the mode the caller has (Note [Mode travels with the call]);
+  so does the caller's torch.autocast state, in the request's header (Note [Autocast
+  travels] in smp_core/autocast_state.h).
 """
 import torch
 import torch.distributed as dist
 
-from smp import _C, core, groups, remote_errors
+from smp import _C, core, groups
 
 __all__ = []
 
@@ -51,53 +53,7 @@ def _skipped_by_compile(fn):
 
 @_skipped_by_compile
 def _send(engine, name, owner, args, kwargs):
-    autocast = _autocast_on()
-    if autocast is None:
-        return engine.call(name, owner, args, kwargs)
-    return _send_under_autocast(engine, name, owner, args, kwargs, autocast)
-
-
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
-
-
-def _autocast_on():
-    """The device type whose autocast is on in this thread, or None. On every remote
-    call: one check (~0.2 us) where torch has one for every device."""
-    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
-        return None
-    for device in ("cpu", "cuda"):
-        try:
-            if torch.is_autocast_enabled(device):
-                return device
-        except TypeError:  # torch < 2.4: no device argument
-            on = torch.is_autocast_cpu_enabled() if device == "cpu" else \
-                torch.is_autocast_enabled()
-            if on:
-                return device
-    return None
-
-
-# Note [Autocast stops at the stage]: torch.autocast is per thread, and a module that
-# another pp rank owns runs there, outside the caller's autocast: in its parameters'
-# dtype, while the caller's modules run in the autocast dtype. Until the pipeline
-# carries autocast to the stages (the mixed-precision issue), the caller is warned once,
-# and an error of such a call (a dtype mismatch, typically) says that autocast did not
-# reach the stage.
-_AUTOCAST_WARNED = []
-
-
-def _send_under_autocast(engine, name, owner, args, kwargs, device):
-    cause = (f"torch.autocast('{device}') is on around the call of module '{name}', which pp "
-             f"rank {owner} owns and runs; autocast is per thread and does not reach other "
-             "pipeline stages, so that module runs in its parameters' dtype")
-    if not _AUTOCAST_WARNED:
-        import warnings
-        _AUTOCAST_WARNED.append(True)
-        warnings.warn(f"smp: {cause}: the stages compute in different precisions", stacklevel=4)
-    try:
-        return engine.call(name, owner, args, kwargs)
-    except Exception as e:
-        raise remote_errors.restated(e, f"{e} (smp: {cause})") from e
+    return engine.call(name, owner, args, kwargs)
 
 
 # Note [Routing by class]: a module owned by another rank must not run here, yet it

@@ -1,5 +1,7 @@
 #include "smp_core/compat/torch_compat.h"
 
+#include <ATen/autocast_mode.h>
+
 namespace smp::compat {
 
 ProcessGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
@@ -35,5 +37,40 @@ std::vector<uint8_t> compare_set_and_wake(const StorePtr& store, const std::stri
   store->set(key, now);
   return now;
 }
+
+#if SMP_TORCH_AT_LEAST(2, 4)
+bool autocast_enabled(c10::DeviceType device) { return at::autocast::is_autocast_enabled(device); }
+void set_autocast_enabled(c10::DeviceType device, bool enabled) {
+  at::autocast::set_autocast_enabled(device, enabled);
+}
+c10::ScalarType autocast_dtype(c10::DeviceType device) {
+  return at::autocast::get_autocast_dtype(device);
+}
+void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(device, dtype);
+}
+#else
+bool autocast_enabled(c10::DeviceType device) {
+  return device == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+}
+void set_autocast_enabled(c10::DeviceType device, bool enabled) {
+  if (device == c10::DeviceType::CPU) {
+    at::autocast::set_cpu_enabled(enabled);
+  } else {
+    at::autocast::set_enabled(enabled);
+  }
+}
+c10::ScalarType autocast_dtype(c10::DeviceType device) {
+  return device == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                        : at::autocast::get_autocast_gpu_dtype();
+}
+void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
+  if (device == c10::DeviceType::CPU) {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+}
+#endif
 
 }  // namespace smp::compat

@@ -66,4 +66,12 @@ std::vector<uint8_t> compare_set_and_wake(const StorePtr& store, const std::stri
 // Name of the backend of `pg` ("gloo", "nccl", ...).
 std::string backend_name(const ProcessGroupPtr& pg);
 
+// The calling thread's autocast state for `device` (kCPU or kCUDA), what
+// torch.autocast(device) sets: the device-generic functions since torch 2.4 (the
+// per-device ones warn there), is_cpu_enabled / get_autocast_gpu_dtype ... before.
+bool autocast_enabled(c10::DeviceType device);
+void set_autocast_enabled(c10::DeviceType device, bool enabled);
+c10::ScalarType autocast_dtype(c10::DeviceType device);
+void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype);
+
 }  // namespace smp::compat

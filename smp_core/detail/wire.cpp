@@ -45,6 +45,7 @@ Header decode_header(const int64_t (&w)[kFixedWords]) {
   h.n_tensors = w[6];
   h.epoch = w[7];
   h.rng_len = w[8];
+  h.autocast = w[9];
   if (h.meta_len < 0 || h.rng_len < 0 || h.n_tensors < 0 || h.n_tensors > kMaxTensors)
     bad("negative length or " + std::to_string(h.n_tensors) + " tensors");
   // Bounds what the receiver allocates before it reads the tensors' descriptors.

@@ -10,9 +10,9 @@
 
 namespace smp::detail::wire {
 
-constexpr int64_t kMagic = 0x736d7033;  // "smp3"
+constexpr int64_t kMagic = 0x736d7034;  // "smp4" (9 header words were "smp3")
 constexpr int kMaxDims = 8;
-constexpr size_t kFixedWords = 9;
+constexpr size_t kFixedWords = 10;
 constexpr size_t kWordsPerTensor = 2 + 2 * kMaxDims;
 constexpr int64_t kByC10d = int64_t{1} << 16;
 constexpr int64_t kOnCuda = int64_t{1} << 17;
@@ -33,6 +33,7 @@ struct Header {
   int64_t total = 0, mb = 0, call_id = 0;
   int32_t kind = 0;
   int64_t meta_len = 0, n_tensors = 0, epoch = 0, rng_len = 0;
+  int64_t autocast = 0;  // Message::autocast, opaque here (autocast_state.cpp checks it)
 };
 
 // One tensor's descriptor, checked: a layout whose elements are dense and do not

@@ -106,7 +106,8 @@ TEST(P2P, TensorsByC10dSendRecv) {
 
 // Note [Layout travels]: a dense view (transposed, channels-last) arrives with its
 // strides, on the mesh and by c10d; any other view arrives contiguous; the random
-// stream bytes travel beside the meta.
+// stream bytes travel beside the meta, the autocast word in the header (Note [Autocast
+// travels]).
 TEST(P2P, DenseLayoutsArriveWithTheirStrides) {
   for (auto mode : {PayloadTransport::kTcp, PayloadTransport::kC10d}) {
     run_gloo_world(2, [mode](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr& store) {
@@ -119,6 +120,7 @@ TEST(P2P, DenseLayoutsArriveWithTheirStrides) {
       if (r == 0) {
         Message m = make(0, 1, kRequest, "layouts", ts);
         m.rng = std::string("\x01\x00stream", 8);
+        m.autocast = 0x0f01;  // cpu on, bfloat16
         eng.send(1, m);
       } else {
         Message m = eng.recv(0, 1, bit(kRequest), "layouts");
@@ -129,6 +131,7 @@ TEST(P2P, DenseLayoutsArriveWithTheirStrides) {
         EXPECT_EQ(m.tensors[3].strides(), ts[3].strides());
         EXPECT_TRUE(m.tensors[2].is_contiguous());
         EXPECT_EQ(m.rng, std::string("\x01\x00stream", 8));
+        EXPECT_EQ(m.autocast, 0x0f01);
         EXPECT_TRUE(m.tensors[0].data_ptr() != ts[0].data_ptr());
       }
     });

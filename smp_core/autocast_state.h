@@ -29,6 +29,22 @@
 // default (autocast off on both), so a call without autocast costs two reads and a
 // compare on each side (see docs/pipeline.md for the measurement).
 //
+// Note [Received inputs are not weights]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// On its owner a call's received tensors become leaves that require grad (their
+// gradients go back to the caller). torch's autocast takes a float32 leaf that requires
+// grad for a weight: it casts it once per autocast block and caches the cast, so the
+// lower-precision gradients of its uses are summed in that precision before the one
+// cast back. In one process the same tensor is an activation, cast for each use and
+// each use's gradient cast back to float32 before the sum. So while autocast is on, a
+// served module gets a view of each such leaf (a view is never cached) and its
+// gradients sum as in one process (without it BERT's layer input, used by the query,
+// key and value projections, gets gradients ~1e-6 off, in bfloat16). Both serving
+// paths do it: Engine.serve (smp/pipeline.py) and Note [Known forward requests]
+// (python/csrc/bind_pipeline.cpp), for ~1 us per such input. (A step input that
+// requires grad is a leaf in one process too, whose cast is cached there and not on
+// its owner here: a difference in rounding left as it is.)
+//
 // Thread-safety: every function reads or writes the calling thread's state only.
 #pragma once
 

@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "smp_core/autocast_state.h"
 #include "smp_core/detail/task_pool.h"
 #include "smp_core/dispatch.h"
 #include "smp_core/errors.h"
@@ -114,9 +115,16 @@ struct KnownForwards {
     const bool grad = it->second.grad;
     std::vector<at::Tensor> inputs = msg.tensors;
     py::tuple args(inputs.size());
+    // Note [Received inputs are not weights] (smp_core/autocast_state.h).
+    const bool views = grad && autocast_state::capture() != 0;
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (grad && it->second.requires_grad[i]) inputs[i].requires_grad_(true);
-      args[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(inputs[i]));
+      at::Tensor given = inputs[i];
+      if (views && given.requires_grad() && given.scalar_type() == at::kFloat) {
+        at::AutoGradMode mode(true);
+        given = given.view_as(given);
+      }
+      args[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(given));
     }
     const py::object prev_mb = task.attr("mb"), prev_backward = task.attr("backward");
     task.attr("mb") = py::int_(msg.mb);

@@ -53,6 +53,26 @@ def _encode_error(text):
     return error_payload(RuntimeError(text))
 
 
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast_on():
+    if _ANY_AUTOCAST is not None:  # one check (~0.2 us)
+        return _ANY_AUTOCAST()
+    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()  # torch < 2.1
+
+
+def _uncached(leaves):
+    """What a served module gets for the request's `leaves` (Note [Received inputs are
+    not weights] in smp_core/autocast_state.h): while autocast is on, a view of each
+    float32 leaf that requires grad, so autocast does not cache its cast as a
+    weight's."""
+    if not _autocast_on():
+        return leaves
+    return [t.view_as(t) if t.requires_grad and t.dtype == torch.float32 else t
+            for t in leaves]
+
+
 def _travels(t):
     """A step output tensor that goes in the STEP_END message's tensors rather than
     pickled: a dense CPU one (what the mesh carries as it is)."""
@@ -276,12 +296,13 @@ class Engine:
         with timeline.span(f"fwd {name}", mb=msg.mb):
             inputs = [t.requires_grad_() if rg and grad else t
                       for t, rg in zip(msg.tensors, requires_grad)]
-            if positional:
-                args, kwargs = inputs, {}
-            else:
-                args, kwargs = unflatten(skeleton, inputs)
             t = time.perf_counter()
             with torch.set_grad_enabled(grad):
+                given = _uncached(inputs) if grad else inputs
+                if positional:
+                    args, kwargs = given, {}
+                else:
+                    args, kwargs = unflatten(skeleton, given)
                 out = self.owned[name](*args, **kwargs)
             self._forward_s += time.perf_counter() - t
             answer = self._known_answer(msg, out, inputs, grad)

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-__all__ = ["KINDS", "build", "batch", "train", "blocks"]
+__all__ = ["KINDS", "build", "batch", "train", "blocks", "record_dtypes"]
 
 KINDS = ("gpt2", "bert", "t5")
 VOCAB, SEQ, BATCH = 256, 16, 8
@@ -95,6 +95,36 @@ def plain_run(kind, steps, dp_size=1, lr=0.5):
         return loss.item()
     return train(step_fn, opt, kind, steps, dp_size, 0, BATCH * dp_size), {k: v.detach().clone()
                                               for k, v in model.state_dict().items()}
+
+
+def _dtypes(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(str(value.dtype).replace("torch.", ""))
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _dtypes(v, out)
+    elif isinstance(value, dict):  # a ModelOutput too
+        for v in value.values():
+            _dtypes(v, out)
+    return out
+
+
+def record_dtypes(module, phase=lambda: "run"):
+    """Records, for every module of `module` that runs, the dtypes of its output's
+    tensors: {phase(): {module name: [the distinct "bfloat16,float32" lists of its calls]}}
+    (a forward hook on each; under smp it runs where the module runs)."""
+    table = {}
+
+    def hook(name):
+        def record(_module, _args, out):
+            calls = table.setdefault(phase(), {}).setdefault(name, [])
+            sig = ",".join(_dtypes(out, []))
+            if sig not in calls:
+                calls.append(sig)
+        return record
+    for name, m in module.named_modules():
+        m.register_forward_hook(hook(name))
+    return table
 
 
 def dumps(obj):

@@ -1,9 +1,11 @@
 """Small models shared by the rank scripts of several tests (tests/python is on the
 ranks' PYTHONPATH, see conftest.rank_env)."""
+import contextlib
+
 import torch
 import torch.nn as nn
 
-__all__ = ["Net", "gpt_job", "state_digest", "train_gpt"]
+__all__ = ["Net", "Nested", "gpt_job", "state_digest", "train_gpt"]
 
 
 class Net(nn.Module):
@@ -68,3 +70,40 @@ def state_digest(state):
         digest.update(k.encode())
         digest.update(state[k].detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+class Nested(nn.Module):
+    """The root on pp rank 0 calls `outer` (pp rank 1), whose forward calls `inner` and
+    `kept_fp32` back on pp rank 0, the latter under `autocast(enabled=False)`: nested
+    requests that pp rank 0 serves on the task thread waiting for `outer`, which runs
+    under autocast itself when the step does."""
+
+    def __init__(self, partition=None):
+        super().__init__()
+        place = partition or (lambda _: contextlib.nullcontext())
+        with place(1):
+            self.outer = _Outer(place)
+        with place(0):
+            self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.outer(x))
+
+    @staticmethod
+    def batch(i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+class _Outer(nn.Module):
+    def __init__(self, place):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        with place(0):
+            self.inner = nn.Linear(8, 8)
+            self.kept_fp32 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.inner(self.lin(x))
+        with torch.autocast("cpu", enabled=False):
+            return self.kept_fp32(h.float()) + h

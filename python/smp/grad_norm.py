@@ -8,7 +8,9 @@ group adds the partitions up (MAX for the inf-norm), and every rank scales its
 gradients by the same factor. dp replicas hold equal gradients after the reduction, so
 they are not summed again (with optimizer-state sharding each dp rank counts the
 gradients it keeps, and the sum is over every rank). Same arithmetic as torch 1.13's clip_grad_norm_:
-coef = max_norm / (norm + 1e-6), clamped to 1.
+coef = max_norm / (norm + 1e-6), clamped to 1. `global_norm` is that norm, for
+clip_grad_norm_ and for smp.optimizers.FusedLamb's clipping (Note [LAMB's global
+norm] in smp/optimizers.py).
 
 Note [torch's clip on the whole model]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -60,28 +62,7 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False, gr
                          "or inf")
     grad_of = grad_of or (lambda p: p.grad)
     params = [p for p in model.local_parameters() if grad_of(p) is not None]
-    tied = model.pipeline.tied if model.pipeline is not None else None
-    counted = [p for p in params if tied is None or tied.is_counted_here(p)]
-    # Note [Sharded optimizer state]: each gradient is kept (or, tied, counted) on one
-    # dp rank only: the dp ranks' sums add up too.
-    shard = model.replica.shard
-    if shard is not None:
-        counted = [p for p in counted if shard.owns(p)]
-    device = grad_of(params[0]).device if params else torch.device("cpu")
-    grads = [grad_of(p).detach() for p in counted]
-    if math.isinf(norm_type):
-        local = (torch.stack([g.abs().max().to(device) for g in grads]).max() if grads
-                 else torch.zeros((), device=device))
-    else:
-        local = (torch.stack([torch.norm(g, norm_type).to(device) for g in grads])
-                 .pow(norm_type).sum() if grads else torch.zeros((), device=device))
-    group = (core.get_world_process_group() if shard is not None
-             else core.get_pp_process_group() if core.pp_size() > 1 else None)
-    if group is not None:
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        local = local.float() if local.dtype not in (torch.float32, torch.float64) else local
-        dist.all_reduce(local, op=op, group=group)
-    total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+    total = global_norm(model, params, norm_type, grad_of=grad_of)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"smp.clip_grad_norm_: the total norm of order {norm_type} of the "
                            "gradients is non-finite, so it cannot be clipped")
@@ -90,6 +71,71 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False, gr
         g = grad_of(p)
         g.detach().mul_(coef.to(g.device))
     return total
+
+
+def counted(model, params, grad_of=None):
+    """Those of `params` whose gradient (`grad_of(p)`, default p.grad) this rank counts
+    in `model`'s global gradient norm: each that has one, a tied parameter on its lowest
+    holder only, and with sharded optimizer state only those this rank keeps."""
+    grad_of = grad_of or (lambda p: p.grad)
+    tied = model.pipeline.tied if model.pipeline is not None else None
+    counted = [p for p in params
+               if grad_of(p) is not None and (tied is None or tied.is_counted_here(p))]
+    # Note [Sharded optimizer state]: each gradient is kept (or, tied, counted) on one
+    # dp rank only: the dp ranks' sums add up too.
+    shard = model.replica.shard
+    if shard is not None:
+        counted = [p for p in counted if shard.owns(p)]
+    return counted
+
+
+def _torch_local(grads, norm_type):
+    """sum |g|^p over `grads` (max |g| for the inf-norm): a 0-d tensor."""
+    device = grads[0].device if grads else torch.device("cpu")
+    if math.isinf(norm_type):
+        return (torch.stack([g.abs().max().to(device) for g in grads]).max() if grads
+                else torch.zeros((), device=device))
+    return (torch.stack([torch.norm(g, norm_type).to(device) for g in grads])
+            .pow(norm_type).sum() if grads else torch.zeros((), device=device))
+
+
+def global_norm(model, params, norm_type=2.0, local=_torch_local, grad_of=None):
+    """The `norm_type`-norm of the gradients of `params` over every rank of `model`,
+    the same 0-d tensor on every rank. Each rank sums its counted(model, params) by
+    `local(grads, norm_type)` (sum |g|^p, or max |g| for inf, a 0-d tensor); one
+    all_reduce adds the ranks up: over the world with sharded optimizer state, over the
+    pp group at partitions > 1 (collective there: every rank of the group calls it).
+    dp replicas hold equal gradients after the reduction, so unsharded they are not
+    summed again.
+
+    Args:
+        grad_of: `grad_of(p)`, the gradient of `p` to count (default p.grad).
+    """
+    grad_of = grad_of or (lambda p: p.grad)
+    first = next((g for g in map(grad_of, params) if g is not None), None)
+    device = first.device if first is not None else torch.device("cpu")
+    grads = [grad_of(p).detach() for p in counted(model, params, grad_of)]
+    total = local(grads, norm_type).to(device)
+    group = (core.get_world_process_group() if model.replica.shard is not None
+             else core.get_pp_process_group() if core.pp_size() > 1 else None)
+    if group is not None:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        total = total.float() if total.dtype not in (torch.float32, torch.float64) else total
+        dist.all_reduce(total, op=op, group=group)
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def spanning_model():
+    """The DistributedModel whose gradients span more than this rank (partitioned, with
+    partitions > 1 or sharded optimizer state), or None."""
+    if not core.is_initialized():
+        return None
+    model = getattr(core.state, "model", None)
+    if model is None or not model.partitioned:
+        return None
+    if core.pp_size() == 1 and model.replica.shard is None:
+        return None
+    return model
 
 
 _TORCH_CLIP = None
@@ -121,12 +167,8 @@ def redirect_torch_clip():
 def _whole_model(params):
     """The DistributedModel whose parameters `params` are, if its norm spans more than
     this rank (partitions > 1 or sharded gradients); else None."""
-    if not core.is_initialized():
-        return None
-    model = getattr(core.state, "model", None)
-    if model is None or not model.partitioned:
-        return None
-    if core.pp_size() == 1 and model.replica.shard is None:
+    model = spanning_model()
+    if model is None:
         return None
     local = {id(p) for p in model.local_parameters()}
     given = {id(p) for p in params}

@@ -36,7 +36,20 @@ parameter whole:
 
 `optimizer.local_state_dict()` holds this rank's share; `optimizer.state_dict()`
 gathers every rank's share (collective over the world).
+
+Note [Steps in rounds]
+~~~~~~~~~~~~~~~~~~~~~~
+A sharded step calls the optimizer's own step once per round, each time with a part
+of the share in its groups, and not at all on a rank whose share has no parameter in
+a round. An optimizer whose step needs one quantity over all its parameters (smp.
+optimizers.FusedLamb's global gradient norm, a collective: Note [LAMB's global norm]
+in smp/optimizers.py) would compute it per round, from a part, and not on every rank.
+So an optimizer may define `_smp_whole_step()`, a context manager: the sharded step
+enters it once, on every rank, after the closure and before the first round, with
+the whole share in the groups, and leaves it after the last round.
 """
+import contextlib
+
 import torch
 
 from smp import _C, core
@@ -151,26 +164,32 @@ class Shard:
         saved = [g["params"] for g in groups]
         exchange = _C.ShareExchange(core.get_dp_process_group(), cap_bytes / 2**20,
                                     core.state.cfg.timeout_s)
+        whole_step = getattr(optimizer, "_smp_whole_step", contextlib.nullcontext)
         try:
-            for per_rank in self.rounds(cap_bytes):
-                now = {id(p) for p in per_rank[self.dp_rank]}
-                if now:
-                    try:
-                        for g, ps in zip(groups, saved):
-                            g["params"] = [p for p in ps if id(p) in now]
-                        own_step()
-                    finally:
-                        for g, ps in zip(groups, saved):
-                            g["params"] = ps
-                for r, ps in enumerate(per_rank):
-                    if ps:
-                        exchange.start(ps, r)
-                exchange.end_round()
-                exchange.wait(2)  # the round before the last is in place
+            with whole_step():  # Note [Steps in rounds]
+                self._rounds_of(groups, saved, own_step, exchange, cap_bytes)
             exchange.wait(0)
         finally:
             del exchange  # waits for anything still in flight (after an error)
         return loss
+
+    def _rounds_of(self, groups, saved, own_step, exchange, cap_bytes):
+        """Steps each round's part of this rank's share and starts its exchange."""
+        for per_rank in self.rounds(cap_bytes):
+            now = {id(p) for p in per_rank[self.dp_rank]}
+            if now:
+                try:
+                    for g, ps in zip(groups, saved):
+                        g["params"] = [p for p in ps if id(p) in now]
+                    own_step()
+                finally:
+                    for g, ps in zip(groups, saved):
+                        g["params"] = ps
+            for r, ps in enumerate(per_rank):
+                if ps:
+                    exchange.start(ps, r)
+            exchange.end_round()
+            exchange.wait(2)  # the round before the last is in place
 
 
 def enabled():

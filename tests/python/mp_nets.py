@@ -77,6 +77,15 @@ def reference(opts):
     """One process: the half model, fp32 masters, the scaler, the same data and the same
     injected inf. Returns {losses, scales, overflows, norms, state (the model's
     state dict as lists), masters (by parameter name)}."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: half-precision kernels split sums by thread
+    try:
+        return _reference(opts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(opts):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[opts["dtype"]]
     dp = opts["dp"]
     torch.manual_seed(0)

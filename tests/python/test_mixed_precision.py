@@ -151,9 +151,11 @@ def test_fp16_dynamic_scaling_is_one_decision_and_equals_the_reference(ranks, tm
             masters["emb.weight" if name == "head.weight" else name] = value
     assert set(masters) == set(ref["masters"])
     # fp16 rounding: the microbatches' and replicas' gradients add up in fp16 in
-    # another order than one process's.
-    assert _worst(masters, {k: ref["masters"][k] for k in masters}) < 2e-3
-    assert _worst(got["state"], ref["state"]) < 2e-3
+    # another order than one process's (measured: masters 1.2e-5 at pp=2, 5.9e-5 with
+    # dp=2); an fp16 weight may then round to the neighbouring value (one ulp: 4.9e-4
+    # near 1.0).
+    assert _worst(masters, {k: ref["masters"][k] for k in masters}) < 2e-4
+    assert _worst(got["state"], ref["state"]) < 1e-3
 
 
 def test_bf16_config_equals_the_bf16_reference(ranks, tmp_path):
@@ -161,8 +163,8 @@ def test_bf16_config_equals_the_bf16_reference(ranks, tmp_path):
     ref = mp_nets.reference(dict(opts, dp=1))
     assert got["dtypes"] == ["torch.bfloat16"]
     assert all(s == [1.0] * opts["steps"] for s, _, _ in got["per_rank"])
-    assert got["losses"] == pytest.approx(ref["losses"], abs=2e-2)
-    assert _worst(got["state"], ref["state"]) < 2e-2
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-3)
+    assert _worst(got["state"], ref["state"]) < 1e-4  # measured 1.5e-5
 
 
 def test_fp16_resume_mid_run_is_bitwise_the_uninterrupted_run(ranks, tmp_path):
@@ -187,8 +189,10 @@ torch.manual_seed(0)
 net = mp_nets.TiedNet(smp.partition)
 model = smp.DistributedModel(net)
 opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
-scaler = (smp.amp.GradScaler(init_scale=1024.0, growth_interval=2) if opts["which"] == "smp"
+scaler = (smp.amp.GradScaler(init_scale=1024.0, growth_interval=2)
+          if opts["which"].startswith("smp")
           else torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2))
+autocast = opts["which"].endswith("autocast")
 cur = {"step": -1}
 for name, p in model.local_named_parameters():
     if name == mp_nets.INF_PARAM:
@@ -197,7 +201,8 @@ for name, p in model.local_named_parameters():
 
 @smp.step
 def train_step(x, y):
-    loss = mp_nets.loss_fn(model(x), y)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+        loss = mp_nets.loss_fn(model(x), y)
     model.backward(scaler.scale(loss))
     return loss
 
@@ -222,7 +227,7 @@ smp.shutdown()
 """
 
 
-def _scaler_reference():
+def _scaler_reference(autocast=False):
     torch.manual_seed(0)
     net = mp_nets.TiedNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -235,7 +240,9 @@ def _scaler_reference():
         cur["step"] = step
         x, y = mp_nets.batch(step, 1)
         for xm, ym in zip(x.chunk(mp_nets.MB), y.chunk(mp_nets.MB)):
-            scaler.scale(mp_nets.loss_fn(net(xm), ym) / mp_nets.MB).backward()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                loss = mp_nets.loss_fn(net(xm), ym)
+            scaler.scale(loss / mp_nets.MB).backward()
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
@@ -244,12 +251,19 @@ def _scaler_reference():
 
 
 @pytest.mark.skipif(not TORCH_AMP_CPU, reason="torch 1.13 has no CPU GradScaler")
-@pytest.mark.parametrize("which", ["smp", "torch"])
+@pytest.mark.parametrize("which", ["smp", "torch", "smp-autocast"])
 def test_grad_scalers_agree_on_found_inf_across_stages(ranks, tmp_path, which):
+    """The scaler alone, and torch's AMP recipe (fp16 autocast on CPU with the scaler),
+    where a pass-through scaler let the inf step through and every weight became nan."""
     path = tmp_path / "out.json"
     ranks(SCALER_RUN, 2, args=(json.dumps(dict(which=which, out=str(path))),), timeout=200)
     got = json.loads(path.read_text())
-    ref_scales, ref_state = _scaler_reference()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: fp16 kernels split their sums by thread
+    try:
+        ref_scales, ref_state = _scaler_reference(autocast=which.endswith("autocast"))
+    finally:
+        torch.set_num_threads(threads)
     (s0, stepped0), (s1, stepped1) = got["every"]
     assert s0 == s1 == ref_scales
     # Step 3 overflowed on pp rank 1 only: both ranks skipped it.

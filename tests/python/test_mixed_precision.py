@@ -167,9 +167,12 @@ def test_bf16_config_equals_the_bf16_reference(ranks, tmp_path):
     assert _worst(got["state"], ref["state"]) < 1e-4  # measured 1.5e-5
 
 
-def test_fp16_resume_mid_run_is_bitwise_the_uninterrupted_run(ranks, tmp_path):
-    whole, _ = _run(ranks, tmp_path / "a", 2, "fp16")
-    resumed, _ = _run(ranks, tmp_path / "b", 2, "fp16", resume=True)
+@pytest.mark.parametrize("world,extra", [
+    (2, {}), (4, {"cfg": {"partitions": 2, "ddp": True, "shard_optimizer_state": True}}),
+], ids=["pp2", "pp2xdp2-sharded"])
+def test_fp16_resume_mid_run_is_bitwise_the_uninterrupted_run(ranks, tmp_path, world, extra):
+    whole, _ = _run(ranks, tmp_path / "a", world, "fp16", **extra)
+    resumed, _ = _run(ranks, tmp_path / "b", world, "fp16", resume=True, **extra)
     assert resumed["scales"] == whole["scales"]
     assert resumed["overflows"] == whole["overflows"]
     assert resumed["losses"] == whole["losses"]

@@ -15,6 +15,9 @@
 //                                  p -= lr ((m / bc1) / denom + weight_decay p)
 //    reg_inside_moment (mode 0):   m = beta1 m + beta3 (g / denom + weight_decay p);
 //                                  p -= lr (m / bc1)
+// Divisions by a tensor's constants (bc1, denom) are multiplications by their
+// reciprocals: no division per element (apex's --use_fast_math divisions are
+// approximate too, Note [LAMB step]).
 // apex keeps v of a group in one tensor per dtype in the param group; here each
 // parameter holds its own (a one-element fp32 tensor), so a parameter's step does not
 // depend on which others are stepped with it (optimizer-state sharding steps a share
@@ -35,7 +38,7 @@ using detail::kTile;
 
 // One tensor's fp32 constants (Note [NovoGrad step] 3-4).
 struct Scalars {
-  float beta1, beta3, bc1, denom, decay, lr;
+  float beta1, beta3, inv_bc1, inv_denom, decay, lr;
 };
 
 template <bool kInside>
@@ -43,12 +46,12 @@ SMP_OPTIM_INLINE void tile_update(const float* __restrict g, float* __restrict p
                                   float* __restrict m, int64_t n, const Scalars& s) {
   for (int64_t i = 0; i < n; ++i) {
     if (kInside) {
-      float gn = g[i] / s.denom + s.decay * p[i];
+      float gn = g[i] * s.inv_denom + s.decay * p[i];
       m[i] = s.beta1 * m[i] + s.beta3 * gn;
-      p[i] = p[i] - s.lr * (m[i] / s.bc1);
+      p[i] = p[i] - s.lr * (m[i] * s.inv_bc1);
     } else {
       m[i] = s.beta1 * m[i] + s.beta3 * g[i];
-      float u = (m[i] / s.bc1) / s.denom + s.decay * p[i];
+      float u = (m[i] * s.inv_bc1) * s.inv_denom + s.decay * p[i];
       p[i] = p[i] - s.lr * u;
     }
   }
@@ -149,10 +152,11 @@ void novograd_step(const std::vector<at::Tensor>& params, const std::vector<at::
       Scalars& sc = scalars[t - first];
       sc.beta1 = beta1;
       sc.beta3 = o.grad_averaging ? 1.0f - beta1 : 1.0f;
-      sc.bc1 = o.bias_correction ? static_cast<float>(1 - std::pow(beta1, steps[t])) : 1.0f;
+      double bc1 = o.bias_correction ? 1 - std::pow(beta1, steps[t]) : 1.0;
       float bc2 =
           o.bias_correction ? static_cast<float>(std::sqrt(1 - std::pow(beta2, steps[t]))) : 1.0f;
-      sc.denom = *v / bc2 + static_cast<float>(o.eps);
+      sc.inv_bc1 = static_cast<float>(1 / bc1);
+      sc.inv_denom = 1.0f / (*v / bc2 + static_cast<float>(o.eps));
       sc.decay = static_cast<float>(o.weight_decay);
       sc.lr = static_cast<float>(o.lr);
     }

@@ -7,8 +7,8 @@
 //
 // The second moment is one number per tensor, a running average of the gradient's
 // norm (Note [NovoGrad step] in novograd.cpp for the whole update). Cost: the norms'
-// pass reads each gradient, the update reads gradient (from cache for tensors of up
-// to ~1M elements), parameter and m and writes parameter and m.
+// pass reads each gradient, the update reads gradient, parameter and m and writes
+// parameter and m: 24 bytes of memory traffic per fp32 parameter, AdamW's 28.
 //
 // Threads: novograd_step runs on torch's intra-op threads and returns when done. It
 // reads the gradients and writes parameters and state in place; nothing else may touch

@@ -14,7 +14,9 @@
 // - Tensors are taken in blocks of up to kBlockElems elements (a tensor larger than
 //   that is a block alone): a block's second pass runs right after its first, and the
 //   same thread takes the same chunks in both (parallel_for splits the same range the
-//   same way), so what the first pass read is still in that core's cache.
+//   same way), so what the first pass wrote may still be in that core's caches.
+// - at::parallel_for is header code: these files build with OpenMP, on torch's threads
+//   (smp_core/CMakeLists.txt says why that is one runtime).
 // - Inside a chunk, tiles of kTile elements: an fp16/bf16 tile is converted to fp32 in
 //   a buffer on the stack, the fp32 loop runs, and the parameter goes back in its
 //   dtype (round to nearest even, as torch's .to()). Math is fp32; state is fp32.
@@ -28,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -57,8 +60,9 @@ constexpr int64_t kTile = 1024;
 // Elements of one unit of parallel work (256 KiB of fp32).
 constexpr int64_t kChunk = int64_t{1} << 16;
 // Elements of one block of tensors whose two passes run back to back (Note [Fused
-// optimizer kernels]): 4 MiB per fp32 array, a core's L2 for the arrays a pass reads.
-constexpr int64_t kBlockElems = int64_t{1} << 20;
+// optimizer kernels]): 4M, 16 MiB per fp32 array. LAMB keeps a block's updates between
+// its passes in a buffer of this size per calling thread (Note [LAMB step]).
+constexpr int64_t kBlockElems = int64_t{1} << 22;
 
 // A run of elements [begin, end) of tensor `tensor` of a group.
 struct Chunk {
@@ -88,42 +92,67 @@ void for_each_chunk(const std::vector<Chunk>& chunks, const Fn& fn) {
 void to_float(at::ScalarType dtype, const void* src, float* dst, int64_t n);
 void from_float(at::ScalarType dtype, const float* src, void* dst, int64_t n);
 
-// The sum of kLanes lane partials, in lane order, in double.
+// kLanes fp32 lanes as one value (a GCC vector: one AVX-512 register, two AVX2, four
+// SSE): lane j of a sum adds the elements i with i % kLanes == j, whatever the width.
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t LaneBits __attribute__((vector_size(kLanes * sizeof(float))));
+// They cross no call (the helpers below are always inlined): GCC's note on how a 64-byte
+// vector is passed without AVX-512 does not apply, to the end of the including file.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+SMP_OPTIM_INLINE Lanes load_lanes(const float* x) {
+  Lanes v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+
+// The last n < kLanes elements, the other lanes zero.
+SMP_OPTIM_INLINE Lanes load_tail(const float* x, int64_t n) {
+  float tail[kLanes] = {};
+  std::memcpy(tail, x, n * sizeof(float));
+  return load_lanes(tail);
+}
+
+// The sum of the lanes, in lane order, in double.
 SMP_OPTIM_INLINE double sum_lanes(const float* lanes) {
   double s = 0;
   for (int j = 0; j < kLanes; ++j) s += lanes[j];
   return s;
 }
 
-// Sum of x^2 over n fp32 elements into `lanes`.
+// lanes += x^2 over n fp32 elements. Four accumulators in turn (elements 16k..16k+15
+// to accumulator k % 4, added together at the end in a fixed order), so that the adds
+// do not wait on each other: the same sum on every instruction set.
 SMP_OPTIM_INLINE void add_squares(const float* __restrict x, int64_t n,
                                   float* __restrict lanes) {
+  Lanes acc[4] = {load_lanes(lanes), {}, {}, {}};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) lanes[j] += x[i + j] * x[i + j];
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    for (int k = 0; k < 4; ++k) {
+      Lanes v = load_lanes(x + i + k * kLanes);
+      acc[k] += v * v;
+    }
   }
-  for (int j = 0; i < n; ++i, ++j) lanes[j] += x[i] * x[i];
+  for (int k = 0; i < n; i += kLanes, ++k) {
+    Lanes v = i + kLanes <= n ? load_lanes(x + i) : load_tail(x + i, n - i);
+    acc[k] += v * v;
+  }
+  Lanes total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  std::memcpy(lanes, &total, sizeof total);
 }
 
-// max |x| over n fp32 elements into `lanes` (NaN propagates).
+// lanes = max(lanes, |x|) over n fp32 elements (a NaN stays).
 SMP_OPTIM_INLINE void max_abs(const float* __restrict x, int64_t n, float* __restrict lanes) {
-  auto step = [](float acc, float v) {
-    float a = v < 0 ? -v : v;
-    return (a > acc || a != a) ? a : acc;
+  Lanes acc = load_lanes(lanes);
+  auto step = [&](Lanes v) {
+    Lanes a = reinterpret_cast<Lanes>(reinterpret_cast<LaneBits>(v) & 0x7fffffff);
+    acc = ((a > acc) | (a != a)) ? a : acc;
   };
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) lanes[j] = step(lanes[j], x[i + j]);
-  }
-  for (int j = 0; i < n; ++i, ++j) lanes[j] = step(lanes[j], x[i]);
+  for (; i + kLanes <= n; i += kLanes) step(load_lanes(x + i));
+  if (i < n) step(load_tail(x + i, n - i));
+  std::memcpy(lanes, &acc, sizeof acc);
 }
-
-// Per tensor t in [first, last) of `tensors` (contiguous, CPU, fp32/fp16/bf16): the sum
-// of x^2, or max |x| with `max_abs`, in chunk order (norms.cpp).
-std::vector<double> reduce_tensors(const std::vector<at::Tensor>& tensors, size_t first,
-                                   size_t last, bool max_abs);
 
 // A tile of a tensor as fp32: its own memory (fp32) or `buf` holding a converted copy.
 struct Tile {
@@ -152,6 +181,11 @@ struct Tile {
 };
 
 inline float* state_at(const at::Tensor& t, int64_t offset) { return t.data_ptr<float>() + offset; }
+
+// Per tensor t in [first, last) of `tensors` (contiguous, CPU, fp32/fp16/bf16): the sum
+// of x^2, or max |x| with `max_abs`, in chunk order (norms.cpp).
+std::vector<double> reduce_tensors(const std::vector<at::Tensor>& tensors, size_t first,
+                                   size_t last, bool max_abs);
 
 // The contiguous tensor a kernel writes: `t` itself, or a contiguous copy that
 // write_back() copies into `t`.

@@ -1,6 +1,6 @@
 // Note [LAMB step]: lamb_step against a scalar reference written here from the same
 // formulas (apex's multi_tensor_lamb.cu), over sizes that cross the tile (1024), chunk
-// (65536) and block (2^20) edges, in every mode, fp32, fp16 and bf16; and the same bits
+// (65536) and block (2^22) edges, in every mode, fp32, fp16 and bf16; and the same bits
 // whatever the number of threads.
 #include "smp_core/optim/lamb.h"
 
@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "smp_core/errors.h"
+#include "smp_core/optim/detail/multi_tensor.h"
 
 namespace smp::optim {
 namespace {
@@ -192,9 +193,10 @@ TEST(Lamb, HalfAndBfloat16ParametersRoundOncePerStep) {
 }
 
 TEST(Lamb, BlocksLargerThanTheCacheBlockAndStridedParameters) {
-  // A tensor of more than 2^20 elements is a block alone; a transposed parameter is
-  // stepped through a contiguous copy and written back.
-  Group got = make_group({(1 << 20) + 3, 5000, 7}, at::kFloat, 3);
+  // A tensor of more than kBlockElems elements is a block alone, its update computed
+  // again in the second pass; a transposed parameter is stepped through a contiguous
+  // copy and written back.
+  Group got = make_group({detail::kBlockElems + 3, 5000, 7}, at::kFloat, 3);
   got.p[1] = at::randn({50, 100}).t();
   got.m[1] = at::zeros({5000});
   got.v[1] = at::zeros({5000});

@@ -114,6 +114,7 @@ std::vector<std::pair<std::string, NovoGradOptions>> modes() {
   return out;
 }
 
+// The fourth crosses a chunk; blocks of up to kBlockElems (2^22) elements hold several.
 const std::vector<int64_t> kSizes = {0, 1, 17, 1040, (1 << 16) + 5, (1 << 20) + 1, 3000};
 
 TEST(NovoGrad, EqualsTheScalarReferenceInEveryModeAndDtype) {

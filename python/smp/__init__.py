@@ -10,6 +10,8 @@ from smp import amp
 from smp import checkpoint
 from smp import ddp_comm_hooks
 from smp import model
+from smp import nn
+from smp import optimizers
 from smp.model import DistributedModel
 from smp.grad_norm import clip_grad_norm_
 from smp.agreement import ModelMismatchError
@@ -70,4 +72,5 @@ __all__ = [
     "DistributedModel", "DistributedOptimizer", "GradBucket", "ddp_comm_hooks", "StepOutput", "step", "partition", "model",
     "clip_grad_norm_", "ModelMismatchError", "UnreducedGradientError", "TiedCopiesError", "__version__", "CheckpointError", "save", "load", "save_checkpoint",
     "resume_from_checkpoint", "set_activation_checkpointing", "delay_param_initialization", "model_creation",
+    "nn", "optimizers",
 ]

@@ -46,3 +46,8 @@
 #include "hooks/debugging_hooks.h"
 // Checkpoints: atomic, verified files.
 #include "checkpoint/checkpoint.h"
+// Fused optimizers: apex's LAMB and NovoGrad steps over a parameter group, and norms
+// over many tensors (the kernels of smp.optimizers).
+#include "smp_core/optim/lamb.h"
+#include "smp_core/optim/norms.h"
+#include "smp_core/optim/novograd.h"

@@ -1,7 +1,7 @@
 // The multi-tensor machinery of the fused optimizers (internal; included only from
-// smp_core/optim/*.cpp): a parameter group cut into fixed chunks that at::parallel_for
-// shares between threads, tiles converted to fp32 and back, and loops over 16 lanes
-// that the compiler vectorizes.
+// smp_core/optim/*.cpp and their tests): a parameter group cut into fixed chunks that
+// at::parallel_for shares between threads, tiles converted to fp32 and back, and sums
+// over 16 lanes that the compiler vectorizes.
 //
 // Note [Fused optimizer kernels]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -20,13 +20,15 @@
 // - Inside a chunk, tiles of kTile elements: an fp16/bf16 tile is converted to fp32 in
 //   a buffer on the stack, the fp32 loop runs, and the parameter goes back in its
 //   dtype (round to nearest even, as torch's .to()). Math is fp32; state is fp32.
-// - Loops run over kLanes independent lanes (sums in lane j of elements i with
-//   i % kLanes == j), which the compiler turns into vector code of any width without
-//   reordering a sum: the AVX-512, AVX2 and baseline clones (SMP_OPTIM_CLONES) give
-//   the same bits. A tile's lanes (64 fp32 terms each) add up in double, then the
-//   tiles, then the chunks: a norm keeps ~1e-7 of relative precision. The files build
-//   with -ffp-contract=off (no fused multiply-adds that one clone would have and
-//   another not) and -fno-math-errno (sqrt vectorizes).
+// - Elementwise loops are plain loops the compiler vectorizes. Sums run over kLanes
+//   independent lanes held as one GCC vector (Lanes; lane j adds the elements i with
+//   i % kLanes == j, add_squares keeps four such vectors in turn and adds them in a
+//   fixed order), which the compiler maps on vectors of any width without reordering
+//   a sum: the AVX-512, AVX2 and baseline clones (SMP_OPTIM_CLONES) give the same
+//   bits. A tile's lanes add up in double, then the tiles, then the chunks: a norm
+//   keeps ~1e-7 of relative precision. The files build with -ffp-contract=off (no
+//   fused multiply-adds that one clone would have and another not) and
+//   -fno-math-errno (sqrt vectorizes).
 #pragma once
 
 #include <cstdint>
@@ -53,7 +55,7 @@
 
 namespace smp::optim::detail {
 
-// Independent accumulators of a loop (a 512-bit vector of floats).
+// Independent accumulators of a sum (a 512-bit vector of floats).
 constexpr int kLanes = 16;
 // Elements converted to fp32 at a time (three fp32 buffers of it on the stack).
 constexpr int64_t kTile = 1024;
@@ -173,14 +175,16 @@ struct Tile {
   // Writes a converted tile back in the tensor's dtype.
   void store() {
     if (tensor.scalar_type() != at::kFloat) {
-      from_float(tensor.scalar_type(), data,
-                         static_cast<char*>(tensor.data_ptr()) + offset * tensor.element_size(),
-                         n);
+      auto* base = static_cast<char*>(tensor.data_ptr()) + offset * tensor.element_size();
+      from_float(tensor.scalar_type(), data, base, n);
     }
   }
 };
 
-inline float* state_at(const at::Tensor& t, int64_t offset) { return t.data_ptr<float>() + offset; }
+// Element `offset` of an fp32 state tensor (contiguous).
+inline float* state_at(const at::Tensor& t, int64_t offset) {
+  return t.data_ptr<float>() + offset;
+}
 
 // Per tensor t in [first, last) of `tensors` (contiguous, CPU, fp32/fp16/bf16): the sum
 // of x^2, or max |x| with `max_abs`, in chunk order (norms.cpp).

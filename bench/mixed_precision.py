@@ -5,6 +5,8 @@ picks some (default: all). A section checks its result, warms up, then times smp
 its torch peer in the same process, alternating, with the same threads, and reports
 medians and ratios (smp / torch).
 
+- pipeline: bench/_mp_pipeline.py (the pp=2 step in bf16/fp16 against fp32 and against
+  one process under the same rules).
 - optimizers: one step of smp.optimizers.FusedLamb and FusedNovoGrad (fp32) against
   torch's fastest AdamW on CPU, measured here: `fused=True` where torch has it on CPU
   (2.4+), `foreach=True`, the faster of the two. Model: ~100M parameters as 8 blocks
@@ -22,7 +24,7 @@ medians and ratios (smp / torch).
   torch's clip_grad_norm_ 40. So LAMB's step costs at least ~1.6 AdamW's alone.
 
     PYTHONPATH=build/python .venv/bin/python bench/mixed_precision.py [--rounds 10]
-        [--threads N] [--sections optimizers]
+        [--threads N] [--sections optimizers pipeline]
 """
 import argparse
 import json
@@ -118,7 +120,15 @@ def bench_optimizers(args):
     return out
 
 
-SECTIONS = {"optimizers": bench_optimizers}
+def bench_pipeline(args):
+    """pipeline: the pp=2 step in bf16 and fp16 against fp32, and smp's fp16 pipeline step
+    against the same model trained plainly in one process under the same rules
+    (bench/_mp_pipeline.py: its processes are started here, one thread per rank)."""
+    import _mp_pipeline  # bench/
+    return _mp_pipeline.bench_pipeline(rounds=max(1, min(args.rounds, 3)), steps=10)
+
+
+SECTIONS = {"optimizers": bench_optimizers, "pipeline": bench_pipeline}
 
 
 def main():

@@ -76,8 +76,7 @@ def _spans_ranks(optimizer):
     model = getattr(core.state, "model", None)
     if model is None or not model.partitioned:
         return False
-    from smp import optimizer_sharding
-    return core.pp_size() > 1 or optimizer_sharding.enabled()
+    return core.pp_size() > 1 or model.replica.shard is not None
 
 
 _OWN_UNSCALE = None

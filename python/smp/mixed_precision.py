@@ -90,18 +90,18 @@ def model_creation(tensor_parallelism=False, dtype=None, **tensor_parallel_confi
         torch.set_default_dtype(before)
 
 
-def cast_module(module):
+def cast_module(module, later=lambda t: False):
     """Note [Half-precision model]: at wrap time, every floating-point parameter and
     buffer of `module` that has a value (or is a meta tensor without a recorded init),
-    in place, so the first step's trace runs the model as it will train. A deferred
-    model's recorded tensors are cast as they are materialized instead."""
+    in place, so the first step's trace runs the model as it will train. Those that
+    `later(t)` names (a deferred model's recorded tensors) are cast as they are
+    materialized instead."""
     dtype = model_dtype()
     if dtype is None:
         return
-    from smp import deferred_init
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            if t.is_floating_point() and t.dtype != dtype and not deferred_init.is_recorded(t):
+            if t.is_floating_point() and t.dtype != dtype and not later(t):
                 t.data = t.data.to(dtype)
 
 
@@ -232,9 +232,8 @@ def overflow_check(model):
     if not (dynamic or _OVERFLOW["wanted"]) or model is None or not model.partitioned:
         return None
     if _OVERFLOW["model"] is not model:
-        from smp import optimizer_sharding
         params = list(model.local_parameters())
-        if optimizer_sharding.enabled():
+        if model.replica.shard is not None:  # Note [Sharded optimizer state]
             group = core.get_world_process_group()
         elif core.pp_size() > 1:
             group = core.get_pp_process_group()
@@ -369,25 +368,19 @@ def _masters_in_groups(optimizer, pairs):
                 state[p] = state.pop(m)
 
 
-def clip_master_grads(optimizer, max_norm, norm_type=2.0):
-    """SMP v1.10's `optimizer.clip_master_grads`: clips the fp32 master gradients by
-    their global norm (every stage, tied copies once, like model.clip_grad_norm_).
-    Returns the norm, or -1 when this step overflowed (nothing to clip)."""
-    from smp import grad_norm
+def master_grads(optimizer):
+    """For SMP v1.10's `optimizer.clip_master_grads`: None when this step overflowed
+    (nothing to clip); else `grad_of(p)`, the gradient to count and clip for model
+    parameter p: its fp32 master's (the model gradient divided by the loss scale), or
+    p.grad where it has no master."""
     mp = of(optimizer)
     if mp is None or not mp.master_weights:
-        model = core.state.model
-        return grad_norm.clip_grad_norm_(model, max_norm, norm_type)
+        return lambda p: p.grad
     if decide(optimizer):
-        return -1
+        return None
     _prepare(optimizer, mp)
-    model = core.state.model
-    master_of = {}
-    for p, m in _pairs(optimizer, mp):
-        master_of[id(p)] = m
-    return grad_norm.clip_grad_norm_(model, max_norm, norm_type,
-                                     grad_of=lambda p: (master_of[id(p)].grad
-                                                        if id(p) in master_of else p.grad))
+    master_of = {id(p): m for p, m in _pairs(optimizer, mp)}
+    return lambda p: master_of[id(p)].grad if id(p) in master_of else p.grad
 
 
 # --- state dicts ----------------------------------------------------------------------

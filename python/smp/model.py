@@ -138,7 +138,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         _watch_compile()
         # Note [Replayed init] (smp/deferred_init.py): meta tensors until partitioned.
         self._deferred = deferred_init.is_deferred(module)
-        mixed_precision.cast_module(module)  # Note [Half-precision model]
+        mixed_precision.cast_module(module, later=deferred_init.is_recorded)
         self.trace_device = trace_device
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_cap_mb = float(bucket_cap_mb)

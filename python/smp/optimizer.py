@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from smp import auto_resume, core
+from smp import auto_resume, core, grad_norm
 from smp import mixed_precision, model_state, optimizer_sharding
 
 __all__ = []
@@ -203,8 +203,12 @@ def _step(self, *args, **kwargs):
 
 def _clip_master_grads(self, max_norm, norm_type=2):
     """SMP v1.10: clips the fp32 master gradients by their global norm over every rank
-    holding part of the model (tied copies once); -1 when the step overflowed."""
-    return mixed_precision.clip_master_grads(self, max_norm, norm_type)
+    holding part of the model (tied copies once, like model.clip_grad_norm_); returns
+    the norm, or -1 when the step overflowed (nothing is clipped)."""
+    grad_of = mixed_precision.master_grads(self)
+    if grad_of is None:
+        return -1
+    return grad_norm.clip_grad_norm_(core.state.model, max_norm, norm_type, grad_of=grad_of)
 
 
 def DistributedOptimizer(optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,  # noqa: N802

@@ -35,11 +35,23 @@ void bind_optim(py::module_& m) {
            py::arg("adam_w_mode") = lamb.adam_w_mode, py::arg("use_nvlamb") = lamb.use_nvlamb,
            py::arg("max_grad_norm") = lamb.max_grad_norm,
            "Validated options (smp.ConfigError names the first one out of range).");
-  sub.def("lamb_step", &optim::lamb_step, py::arg("params"), py::arg("grads"),
-          py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+  // The norm as a tensor first: a 0-d tensor would otherwise convert to a float (and
+  // sync a device).
+  using Tensors = std::vector<at::Tensor>;
+  using LambStep = void (*)(const Tensors&, const Tensors&, const Tensors&, const Tensors&,
+                            const std::vector<int64_t>&, const at::Tensor&, const LambOptions&);
+  using LambStepHost = void (*)(const Tensors&, const Tensors&, const Tensors&, const Tensors&,
+                                const std::vector<int64_t>&, double, const LambOptions&);
+  sub.def("lamb_step", static_cast<LambStep>(&optim::lamb_step), py::arg("params"),
+          py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
           py::arg("global_grad_norm"), py::arg("options"),
           py::call_guard<py::gil_scoped_release>(),
-          "One LAMB step of a parameter group, in place (smp_core/optim/lamb.h).");
+          "One LAMB step of a parameter group, in place, on any device; the norm a "
+          "one-element tensor or a float (smp_core/optim/lamb.h).");
+  sub.def("lamb_step", static_cast<LambStepHost>(&optim::lamb_step), py::arg("params"),
+          py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+          py::arg("global_grad_norm"), py::arg("options"),
+          py::call_guard<py::gil_scoped_release>());
 
   const NovoGradOptions novo;
   py::class_<NovoGradOptions>(sub, "NovoGradOptions")
@@ -68,6 +80,10 @@ void bind_optim(py::module_& m) {
   sub.def("sum_of_squares", &optim::sum_of_squares, py::arg("tensors"),
           py::call_guard<py::gil_scoped_release>(),
           "Sum of x^2 over every element of every tensor, in double (smp_core/optim/norms.h).");
+  sub.def("sum_of_squares_tensor", &optim::sum_of_squares_tensor, py::arg("tensors"),
+          py::call_guard<py::gil_scoped_release>(),
+          "The same sum as a 0-d float64 tensor on the tensors' device, any device "
+          "(smp_core/optim/norms.h).");
 }
 
 }  // namespace smp::python

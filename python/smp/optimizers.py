@@ -5,8 +5,11 @@ same functionality": the same constructor arguments and defaults, the same updat
 (smp_core/optim/: Note [LAMB step] in lamb.cpp, Note [NovoGrad step] in novograd.cpp),
 one multi-tensor C++ pass per parameter group, parallel over torch's intra-op threads
 and vectorized (Note [Fused optimizer kernels] in optim/detail/multi_tensor.h).
-Parameters and gradients may be fp32, fp16 or bf16 (CPU tensors); the math and the
-state are fp32, and each parameter is written back in its dtype.
+Parameters and gradients may be fp32, fp16 or bf16, on the CPU or any other device:
+CPU tensors take the C++ kernels, others (CUDA) the same update in ATen ops, queued on
+the device with no host sync (Note [Device-generic steps] in smp_core/optim/
+generic.cpp). The math and the state are fp32, and each parameter is written back in
+its dtype.
 
 Note [Fused optimizers' state]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -32,7 +35,6 @@ step(), over every group; under sharding, where step() runs once per round, once
 the first round (`_smp_whole_step`, Note [Steps in rounds] in optimizer_sharding.py).
 """
 import contextlib
-import math
 
 import torch
 
@@ -61,7 +63,8 @@ def _no_amsgrad(name, apex_name, amsgrad):
 
 class _Fused(torch.optim.Optimizer):
     """What FusedLamb and FusedNovoGrad share: apex's `set_grad_none`, fp32 state
-    (Note [Fused optimizers' state]) and the lists a group's kernel takes."""
+    (Note [Fused optimizers' state]), the lists a group's kernel takes and step(); a
+    subclass gives `_group_options(group)`, `_kernel(...)` and `_step_context()`."""
 
     _name = None  # "FusedLamb", for messages
 
@@ -106,10 +109,33 @@ class _Fused(torch.optim.Optimizer):
         if p.dtype not in _DTYPES:
             raise RuntimeError(f"smp: {self._name}: parameter {i} of its group has dtype "
                                f"{p.dtype}, not one of {{float32, float16, bfloat16}}")
-        if p.device.type != "cpu":
-            raise RuntimeError(f"smp: {self._name}: parameter {i} of its group is on "
-                               f"{p.device}; smp's fused optimizers step CPU tensors "
-                               "(allowed: device 'cpu')")
+
+    def _step_context(self):
+        """What every group's step needs, computed once per step() (LAMB: the global
+        norm)."""
+        return None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every group (Note [LAMB step], Note [NovoGrad step]).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        context = self._step_context()
+        for group in self.param_groups:
+            options = self._group_options(group)  # validated before any state changes
+            params, grads, states, steps = self._lists(group)
+            if params:
+                self._kernel(params, grads, states, steps, options, context)
+        return loss
 
     def load_state_dict(self, state_dict):
         """torch's, with the state kept in fp32 (torch casts floating-point state to
@@ -151,7 +177,7 @@ class FusedLamb(_Fused):
     Raises:
         smp.ConfigError: amsgrad=True, or an argument out of its range (named, with
             its value and what is allowed).
-        RuntimeError: at step(), a sparse gradient, a parameter that is not a CPU
+        RuntimeError: at step(), a sparse gradient, a parameter that is not an
             fp32/fp16/bf16 tensor.
     """
 
@@ -201,7 +227,8 @@ class FusedLamb(_Fused):
     def _grad_norm(self):
         """The L2 norm of the gradients the step uses, of every group: the model's over
         every rank when they are a spanning model's parameters (Note [LAMB's global
-        norm]; collective then), else this rank's."""
+        norm]; collective then), else this rank's. A 0-d tensor on the gradients'
+        device (no host sync on a GPU)."""
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
@@ -214,10 +241,10 @@ class FusedLamb(_Fused):
             of_model.update(id(q) for q in model.module.parameters())
             model = model if any(id(p) in of_model for p in params) else None
         if model is None:
-            return math.sqrt(_C.optim.sum_of_squares(
-                [g.detach() for g in map(grad_of, params) if g is not None]))
+            return _C.optim.sum_of_squares_tensor(
+                [g.detach() for g in map(grad_of, params) if g is not None]).sqrt()
         return grad_norm.global_norm(model, params, 2.0, local=_sum_of_squares,
-                                     grad_of=grad_of).item()
+                                     grad_of=grad_of)
 
     @contextlib.contextmanager
     def _smp_whole_step(self):
@@ -229,28 +256,17 @@ class FusedLamb(_Fused):
         finally:
             self._step_norm = None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One LAMB step of every group.
+    def _step_context(self):
+        """The global gradient norm, once per step() over every group."""
+        return self._step_norm if self._step_norm is not None else self._grad_norm()
 
-        Args:
-            closure: re-evaluates the model and returns the loss (optional).
+    def _group_options(self, group):
+        # apex: the constructor's max_grad_norm, for every group.
+        return self._options(group, self.defaults["max_grad_norm"])
 
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        norm = self._step_norm if self._step_norm is not None else self._grad_norm()
-        for group in self.param_groups:
-            # apex: the constructor's max_grad_norm, for every group.
-            options = self._options(group, self.defaults["max_grad_norm"])
-            params, grads, (exp_avgs, exp_avg_sqs), steps = self._lists(group)
-            if params:
-                _C.optim.lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, norm, options)
-        return loss
+    @staticmethod
+    def _kernel(params, grads, states, steps, options, norm):
+        _C.optim.lamb_step(params, grads, *states, steps, norm, options)
 
 
 def _model_view(optimizer, params, model):
@@ -276,9 +292,10 @@ def _model_view(optimizer, params, model):
 
 
 def _sum_of_squares(grads, norm_type):
-    """grad_norm.global_norm's `local` for L2: the C++ pass, in float64."""
+    """grad_norm.global_norm's `local` for L2: the C++ pass (or ATen ops off the CPU),
+    a 0-d float64 tensor on the gradients' device."""
     assert norm_type == 2.0
-    return torch.tensor(_C.optim.sum_of_squares(grads), dtype=torch.float64)
+    return _C.optim.sum_of_squares_tensor(grads)
 
 
 class FusedNovoGrad(_Fused):
@@ -306,7 +323,7 @@ class FusedNovoGrad(_Fused):
     Raises:
         smp.ConfigError: amsgrad=True, norm_type not 2 or 0, or an argument out of its
             range (named, with its value and what is allowed).
-        RuntimeError: at step(), a sparse gradient, a parameter that is not a CPU
+        RuntimeError: at step(), a sparse gradient, a parameter that is not an
             fp32/fp16/bf16 tensor.
     """
 
@@ -355,23 +372,9 @@ class FusedNovoGrad(_Fused):
                 f"smp: {self._name}: lr={group['lr']!r}, eps={group['eps']!r} and "
                 f"weight_decay={group['weight_decay']!r} must be numbers") from None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One NovoGrad step of every group.
+    def _group_options(self, group):
+        return self._options(group)
 
-        Args:
-            closure: re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            options = self._options(group)
-            params, grads, (exp_avgs, exp_avg_sqs), steps = self._lists(group)
-            if params:
-                _C.optim.novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, options)
-        return loss
+    @staticmethod
+    def _kernel(params, grads, states, steps, options, context):
+        _C.optim.novograd_step(params, grads, *states, steps, options)

@@ -37,7 +37,9 @@
 #include <cmath>
 
 #include "smp_core/errors.h"
+#include "smp_core/optim/detail/generic.h"
 #include "smp_core/optim/detail/multi_tensor.h"
+#include "smp_core/optim/detail/step_constants.h"
 
 namespace smp::optim {
 namespace {
@@ -46,10 +48,8 @@ using detail::Chunk;
 using detail::kLanes;
 using detail::kTile;
 
-// One tensor's fp32 constants.
-struct Scalars {
-  float beta1, beta2, beta3, one_minus_beta2, inv_bc1, inv_sqrt_bc2, eps, decay, inv_clip;
-};
+// One tensor's fp32 constants (detail/step_constants.h).
+using Scalars = detail::LambConstants;
 
 // Steps 1-3 of Note [LAMB step] for one element.
 template <bool kAdamW>
@@ -144,37 +144,6 @@ SMP_OPTIM_CLONES void fused_l2(const float* g, float* p, float* m, float* v, int
   tile_fused<false>(g, p, m, v, n, s, lr);
 }
 
-void check_lists(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                 const std::vector<at::Tensor>& exp_avgs,
-                 const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<int64_t>& steps) {
-  size_t n = params.size();
-  SMP_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
-                steps.size() == n,
-            "optim: lamb_step: ", n, " params but ", grads.size(), " grads, ", exp_avgs.size(),
-            " exp_avgs, ", exp_avg_sqs.size(), " exp_avg_sqs and ", steps.size(), " steps");
-  for (size_t i = 0; i < n; ++i) {
-    const auto& p = params[i];
-    auto dt = p.scalar_type();
-    SMP_CHECK(p.device().is_cpu() && grads[i].device().is_cpu(), "optim: lamb_step: param ",
-              i, " is on ", p.device(), " and its grad on ", grads[i].device(),
-              "; the kernel steps CPU tensors");
-    SMP_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-              "optim: lamb_step: param ", i, " has dtype ", dt,
-              ", not one of {float32, float16, bfloat16}");
-    SMP_CHECK(grads[i].scalar_type() == dt && grads[i].sizes() == p.sizes(),
-              "optim: lamb_step: param ", i, " is ", dt, p.sizes(), " but its grad ",
-              grads[i].scalar_type(), grads[i].sizes());
-    for (const auto* s : {&exp_avgs[i], &exp_avg_sqs[i]}) {
-      SMP_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->device().is_cpu() &&
-                    s->numel() == p.numel(),
-                "optim: lamb_step: the state of param ", i, " (", p.numel(),
-                " elements) is not a contiguous CPU float32 tensor of as many elements: ",
-                s->scalar_type(), s->sizes());
-    }
-    SMP_CHECK(steps[i] >= 1, "optim: lamb_step: steps[", i, "]=", steps[i], " is not >= 1");
-  }
-}
-
 }  // namespace
 
 void validate(const LambOptions& o) {
@@ -195,37 +164,24 @@ void lamb_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                const std::vector<at::Tensor>& exp_avgs,
                const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<int64_t>& steps,
                double global_grad_norm, const LambOptions& o) {
+  if (detail::use_generic(params)) {
+    return detail::lamb_step_generic(params, grads, exp_avgs, exp_avg_sqs, steps,
+                                     detail::host_scalar(global_grad_norm), o);
+  }
   validate(o);
-  check_lists(params, grads, exp_avgs, exp_avg_sqs, steps);
+  detail::check_group("lamb_step", params, grads,
+                      {{"exp_avgs", exp_avgs, true}, {"exp_avg_sqs", exp_avg_sqs, true}},
+                      steps);
   size_t n = params.size();
-  std::vector<detail::Writable> ps;
-  std::vector<at::Tensor> gs;
-  std::vector<int64_t> numels;
-  ps.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    ps.emplace_back(params[i]);
-    gs.push_back(grads[i].contiguous());
-    numels.push_back(params[i].numel());
-  }
-  // Note [LAMB step] 1: in fp32, as apex compares.
-  float norm = static_cast<float>(global_grad_norm);
-  float max_norm = static_cast<float>(o.max_grad_norm);
-  float clip = (max_norm > 0 && norm > max_norm) ? norm / max_norm : 1.0f;
-  std::vector<Scalars> scalars(n);
-  for (size_t i = 0; i < n; ++i) {
-    Scalars& s = scalars[i];
-    s.beta1 = static_cast<float>(o.beta1);
-    s.beta2 = static_cast<float>(o.beta2);
-    s.beta3 = o.grad_averaging ? 1.0f - s.beta1 : 1.0f;
-    s.one_minus_beta2 = 1.0f - s.beta2;
-    double bc1 = o.bias_correction ? 1 - std::pow(s.beta1, steps[i]) : 1.0;
-    double bc2 = o.bias_correction ? 1 - std::pow(s.beta2, steps[i]) : 1.0;
-    s.inv_bc1 = static_cast<float>(1 / bc1);
-    s.inv_sqrt_bc2 = static_cast<float>(1 / std::sqrt(bc2));
-    s.eps = static_cast<float>(o.eps);
-    s.decay = static_cast<float>(o.weight_decay);
-    s.inv_clip = 1.0f / clip;
-  }
+  detail::CpuGroup group(params, grads);
+  const auto& ps = group.params;
+  const auto& gs = group.grads;
+  const auto& numels = group.numels;
+  // Note [LAMB step] 1-4: the constants of each tensor.
+  const float inv_clip = detail::lamb_inv_clip(global_grad_norm, o.max_grad_norm);
+  std::vector<Scalars> scalars;
+  scalars.reserve(n);
+  for (size_t i = 0; i < n; ++i) scalars.push_back(detail::lamb_constants(o, steps[i], inv_clip));
   const float lr = static_cast<float>(o.lr);
   const bool adaptive = o.use_nvlamb || o.weight_decay != 0;
   auto moments_fn = o.adam_w_mode ? moments_adamw : moments_l2;
@@ -301,7 +257,21 @@ void lamb_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       }
     });
   }
-  for (auto& p : ps) p.write_back();
+  group.write_back();
+}
+
+void lamb_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs,
+               const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<int64_t>& steps,
+               const at::Tensor& global_grad_norm, const LambOptions& options) {
+  if (detail::use_generic(params)) {
+    return detail::lamb_step_generic(params, grads, exp_avgs, exp_avg_sqs, steps,
+                                     global_grad_norm, options);
+  }
+  SMP_CHECK(global_grad_norm.numel() == 1, "optim: lamb_step: global_grad_norm has ",
+            global_grad_norm.numel(), " elements, not 1");
+  lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, global_grad_norm.item<double>(),
+            options);
 }
 
 }  // namespace smp::optim

@@ -14,7 +14,11 @@
 // norm's (the caller's) over the gradients: 44 bytes of memory traffic per fp32
 // parameter against AdamW's 28 (Note [LAMB step]).
 //
-// Threads: lamb_step runs on torch's intra-op threads and returns when done. It reads
+// Devices: CPU tensors are stepped by the kernel (lamb.cpp); a group with a tensor on
+// another device (CUDA, ...) by the same update in ATen ops (Note [Device-generic
+// steps] in generic.cpp), as is every group when SMP_OPTIM_GENERIC=1.
+// Threads: on the CPU, lamb_step runs on torch's intra-op threads and returns when
+// done; elsewhere it returns when the ops are queued on the tensors' streams. It reads
 // the gradients and writes parameters and state in place; nothing else may touch them
 // meanwhile. The result does not depend on the number of threads.
 #pragma once
@@ -53,17 +57,25 @@ struct LambOptions {
 // Throws smp::ConfigError naming the first option out of its range.
 void validate(const LambOptions& options);
 
-// One LAMB step of a parameter group. params[i] and grads[i]: the same shape and dtype
-// (fp32, fp16 or bf16), CPU, any strides; exp_avgs[i], exp_avg_sqs[i]: fp32,
-// contiguous, params[i].numel() elements (the state, updated in place); steps[i]: the
-// number of this step for params[i] (1 on its first), for the bias correction.
-// `global_grad_norm`: the L2 norm of every gradient the clipping covers (the caller
-// computes it, over more than this group: every group of the optimizer, every rank).
-// Throws std::runtime_error on mismatched lists, shapes, dtypes or devices, and
-// smp::ConfigError on bad options.
+// One LAMB step of a parameter group. params[i] and grads[i]: the same shape, dtype
+// (fp32, fp16 or bf16) and device, any strides; exp_avgs[i], exp_avg_sqs[i]: fp32,
+// contiguous, params[i].numel() elements on params[i]'s device (the state, updated in
+// place); steps[i]: the number of this step for params[i] (1 on its first), for the
+// bias correction. `global_grad_norm`: the L2 norm of every gradient the clipping
+// covers (the caller computes it, over more than this group: every group of the
+// optimizer, every rank). Throws std::runtime_error on mismatched lists, shapes, dtypes
+// or devices, and smp::ConfigError on bad options.
 void lamb_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& exp_avgs,
                const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<int64_t>& steps,
                double global_grad_norm, const LambOptions& options);
+
+// The same with the norm as a one-element tensor (sum_of_squares_tensor's square root,
+// norms.h): on a device it stays there, and the clipping is decided there, with no
+// host sync; on the CPU it is read.
+void lamb_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs,
+               const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<int64_t>& steps,
+               const at::Tensor& global_grad_norm, const LambOptions& options);
 
 }  // namespace smp::optim

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -151,6 +152,54 @@ Writable::Writable(const at::Tensor& t)
 
 void Writable::write_back() {
   if (!data.is_same(original)) original.copy_(data);
+}
+
+void check_group(const char* op, const std::vector<at::Tensor>& params,
+                 const std::vector<at::Tensor>& grads, const std::vector<StateList>& states,
+                 const std::vector<int64_t>& steps) {
+  size_t n = params.size();
+  bool sizes_match = grads.size() == n && steps.size() == n;
+  std::string counts = str_cat(grads.size(), " grads, ");
+  for (const auto& s : states) {
+    sizes_match = sizes_match && s.tensors.size() == n;
+    counts += str_cat(s.tensors.size(), " ", s.name, ", ");
+  }
+  SMP_CHECK(sizes_match, "optim: ", op, ": ", n, " params but ", counts, "and ", steps.size(),
+            " steps");
+  for (size_t i = 0; i < n; ++i) {
+    const auto& p = params[i];
+    const auto& g = grads[i];
+    auto dt = p.scalar_type();
+    SMP_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "optim: ", op,
+              ": param ", i, " has dtype ", dt, ", not one of {float32, float16, bfloat16}");
+    SMP_CHECK(g.scalar_type() == dt && g.sizes() == p.sizes(), "optim: ", op, ": param ", i,
+              " is ", dt, p.sizes(), " but its grad ", g.scalar_type(), g.sizes());
+    SMP_CHECK(g.device() == p.device(), "optim: ", op, ": param ", i, " is on ", p.device(),
+              " but its grad on ", g.device());
+    for (const auto& s : states) {
+      const auto& t = s.tensors[i];
+      bool ok = t.scalar_type() == at::kFloat && t.device() == p.device() &&
+                (s.per_element ? t.is_contiguous() && t.numel() == p.numel() : t.numel() == 1);
+      SMP_CHECK(ok, "optim: ", op, ": ", s.name, "[", i, "] is not a ",
+                s.per_element ? "contiguous " : "one-element ", "float32 tensor",
+                s.per_element ? str_cat(" of ", p.numel(), " elements") : std::string(),
+                " on ", p.device(), ": ", t.scalar_type(), t.sizes(), " on ", t.device());
+    }
+    SMP_CHECK(steps[i] >= 1, "optim: ", op, ": steps[", i, "]=", steps[i], " is not >= 1");
+  }
+}
+
+CpuGroup::CpuGroup(const std::vector<at::Tensor>& ps, const std::vector<at::Tensor>& gs) {
+  params.reserve(ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    params.emplace_back(ps[i]);
+    grads.push_back(gs[i].contiguous());
+    numels.push_back(ps[i].numel());
+  }
+}
+
+void CpuGroup::write_back() {
+  for (auto& p : params) p.write_back();
 }
 
 }  // namespace smp::optim::detail

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "smp_core/errors.h"
+#include "smp_core/optim/detail/generic.h"
 #include "smp_core/optim/detail/multi_tensor.h"
 
 namespace smp::optim {
@@ -88,6 +89,11 @@ double sum_of_squares(const std::vector<at::Tensor>& tensors) {
   double total = 0;
   for (double s : detail::reduce_tensors(flat, 0, flat.size(), false)) total += s;
   return total;
+}
+
+at::Tensor sum_of_squares_tensor(const std::vector<at::Tensor>& tensors) {
+  if (detail::use_generic(tensors)) return detail::sum_of_squares_generic(tensors);
+  return detail::host_scalar(sum_of_squares(tensors));
 }
 
 }  // namespace smp::optim

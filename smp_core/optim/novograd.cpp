@@ -28,7 +28,9 @@
 #include <cmath>
 
 #include "smp_core/errors.h"
+#include "smp_core/optim/detail/generic.h"
 #include "smp_core/optim/detail/multi_tensor.h"
+#include "smp_core/optim/detail/step_constants.h"
 
 namespace smp::optim {
 namespace {
@@ -66,41 +68,6 @@ SMP_OPTIM_CLONES void update_inside(const float* g, float* p, float* m, int64_t 
   tile_update<true>(g, p, m, n, s);
 }
 
-void check_lists(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                 const std::vector<at::Tensor>& exp_avgs,
-                 const std::vector<at::Tensor>& grad_norms, const std::vector<int64_t>& steps) {
-  size_t n = params.size();
-  SMP_CHECK(grads.size() == n && exp_avgs.size() == n && grad_norms.size() == n &&
-                steps.size() == n,
-            "optim: novograd_step: ", n, " params but ", grads.size(), " grads, ",
-            exp_avgs.size(), " exp_avgs, ", grad_norms.size(), " grad_norms and ",
-            steps.size(), " steps");
-  for (size_t i = 0; i < n; ++i) {
-    const auto& p = params[i];
-    auto dt = p.scalar_type();
-    SMP_CHECK(p.device().is_cpu() && grads[i].device().is_cpu(),
-              "optim: novograd_step: param ", i, " is on ", p.device(), " and its grad on ",
-              grads[i].device(), "; the kernel steps CPU tensors");
-    SMP_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-              "optim: novograd_step: param ", i, " has dtype ", dt,
-              ", not one of {float32, float16, bfloat16}");
-    SMP_CHECK(grads[i].scalar_type() == dt && grads[i].sizes() == p.sizes(),
-              "optim: novograd_step: param ", i, " is ", dt, p.sizes(), " but its grad ",
-              grads[i].scalar_type(), grads[i].sizes());
-    const auto& m = exp_avgs[i];
-    SMP_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.device().is_cpu() &&
-                  m.numel() == p.numel(),
-              "optim: novograd_step: exp_avgs[", i, "] is not a contiguous CPU float32 tensor of ",
-              p.numel(), " elements: ", m.scalar_type(), m.sizes());
-    const auto& v = grad_norms[i];
-    SMP_CHECK(v.scalar_type() == at::kFloat && v.numel() == 1 && v.device().is_cpu(),
-              "optim: novograd_step: grad_norms[", i,
-              "] is not a one-element CPU float32 tensor: ", v.scalar_type(), v.sizes());
-    SMP_CHECK(steps[i] >= 1, "optim: novograd_step: steps[", i, "]=", steps[i],
-              " is not >= 1");
-  }
-}
-
 }  // namespace
 
 void validate(const NovoGradOptions& o) {
@@ -121,21 +88,17 @@ void novograd_step(const std::vector<at::Tensor>& params, const std::vector<at::
                    const std::vector<at::Tensor>& exp_avgs,
                    const std::vector<at::Tensor>& grad_norms, const std::vector<int64_t>& steps,
                    const NovoGradOptions& o) {
-  validate(o);
-  check_lists(params, grads, exp_avgs, grad_norms, steps);
-  size_t n = params.size();
-  std::vector<detail::Writable> ps;
-  std::vector<at::Tensor> gs;
-  std::vector<int64_t> numels;
-  ps.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    ps.emplace_back(params[i]);
-    gs.push_back(grads[i].contiguous());
-    numels.push_back(params[i].numel());
+  if (detail::use_generic(params)) {
+    return detail::novograd_step_generic(params, grads, exp_avgs, grad_norms, steps, o);
   }
+  validate(o);
+  detail::check_group("novograd_step", params, grads,
+                      {{"exp_avgs", exp_avgs, true}, {"grad_norms", grad_norms, false}}, steps);
+  detail::CpuGroup group(params, grads);
+  const auto& ps = group.params;
+  const auto& gs = group.grads;
+  const auto& numels = group.numels;
   const bool inf = o.norm_type == NovoGradNorm::kInf;
-  const float beta1 = static_cast<float>(o.beta1), beta2 = static_cast<float>(o.beta2);
-  const float one_minus_beta2 = 1.0f - beta2;
   auto update_fn = o.reg_inside_moment ? update_inside : update_outside;
 
   for (auto [first, last] : detail::make_blocks(numels, detail::kBlockElems)) {
@@ -143,22 +106,15 @@ void novograd_step(const std::vector<at::Tensor>& params, const std::vector<at::
     std::vector<double> norms = detail::reduce_tensors(gs, first, last, inf);
     std::vector<Scalars> scalars(last - first);
     for (size_t t = first; t < last; ++t) {
+      const detail::NovoGradConstants c = detail::novograd_constants(o, steps[t]);
       float s = static_cast<float>(norms[t - first]);  // sum of squares, or max |g|
       float fresh = inf ? s : static_cast<float>(std::sqrt(norms[t - first]));
       float* v = grad_norms[t].data_ptr<float>();
       if (steps[t] == 1) *v = o.init_zero ? 0.0f : fresh;
-      *v = inf ? beta2 * *v + one_minus_beta2 * s
-               : std::sqrt(beta2 * *v * *v + one_minus_beta2 * s);
-      Scalars& sc = scalars[t - first];
-      sc.beta1 = beta1;
-      sc.beta3 = o.grad_averaging ? 1.0f - beta1 : 1.0f;
-      double bc1 = o.bias_correction ? 1 - std::pow(beta1, steps[t]) : 1.0;
-      float bc2 =
-          o.bias_correction ? static_cast<float>(std::sqrt(1 - std::pow(beta2, steps[t]))) : 1.0f;
-      sc.inv_bc1 = static_cast<float>(1 / bc1);
-      sc.inv_denom = 1.0f / (*v / bc2 + static_cast<float>(o.eps));
-      sc.decay = static_cast<float>(o.weight_decay);
-      sc.lr = static_cast<float>(o.lr);
+      *v = inf ? c.beta2 * *v + c.one_minus_beta2 * s
+               : std::sqrt(c.beta2 * *v * *v + c.one_minus_beta2 * s);
+      scalars[t - first] = {c.beta1, c.beta3, c.inv_bc1, 1.0f / (*v / c.bc2 + c.eps), c.decay,
+                            c.lr};
     }
     // 4: the update, tile by tile.
     auto chunks = detail::make_chunks(numels, first, last);
@@ -174,7 +130,7 @@ void novograd_step(const std::vector<at::Tensor>& params, const std::vector<at::
       }
     });
   }
-  for (auto& p : ps) p.write_back();
+  group.write_back();
 }
 
 }  // namespace smp::optim

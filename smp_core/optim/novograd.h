@@ -10,9 +10,13 @@
 // pass reads each gradient, the update reads gradient, parameter and m and writes
 // parameter and m: 24 bytes of memory traffic per fp32 parameter, AdamW's 28.
 //
-// Threads: novograd_step runs on torch's intra-op threads and returns when done. It
-// reads the gradients and writes parameters and state in place; nothing else may touch
-// them meanwhile. The result does not depend on the number of threads.
+// Devices: CPU tensors are stepped by the kernel (novograd.cpp); a group with a tensor
+// on another device (CUDA, ...) by the same update in ATen ops (Note [Device-generic
+// steps] in generic.cpp), as is every group when SMP_OPTIM_GENERIC=1.
+// Threads: on the CPU, novograd_step runs on torch's intra-op threads and returns when
+// done; elsewhere it returns when the ops are queued on the tensors' streams. It reads
+// the gradients and writes parameters and state in place; nothing else may touch them
+// meanwhile. The result does not depend on the number of threads.
 #pragma once
 
 #include <cstdint>
@@ -54,9 +58,9 @@ struct NovoGradOptions {
 void validate(const NovoGradOptions& options);
 
 // One NovoGrad step of a parameter group. params[i] and grads[i]: the same shape and
-// dtype (fp32, fp16 or bf16), CPU, any strides; exp_avgs[i]: fp32, contiguous,
-// params[i].numel() elements; grad_norms[i]: a one-element fp32 tensor, v of params[i]
-// (both updated in place); steps[i]: the number of this step for params[i] (1 on its
+// dtype (fp32, fp16 or bf16) on one device, any strides; exp_avgs[i]: fp32,
+// contiguous, params[i].numel() elements; grad_norms[i]: a one-element fp32 tensor, v
+// of params[i] (both on params[i]'s device, updated in place); steps[i]: the number of this step for params[i] (1 on its
 // first: v starts there). Throws std::runtime_error on mismatched lists, shapes, dtypes
 // or devices, and smp::ConfigError on bad options.
 void novograd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,

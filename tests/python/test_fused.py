@@ -244,6 +244,98 @@ def test_half_precision_parameters_round_once_per_step(dtype, opt):
         assert st["exp_avg_sq"].dtype == torch.float32
 
 
+# --- the device-generic path (Note [Device-generic steps]) against the CPU kernels ------
+
+GENERIC_STEPS = 20
+
+
+def _kernel_and_generic(make, kwargs, dtype=torch.float32, two_groups=False):
+    """GENERIC_STEPS steps of two equal optimizers on equal parameters: one by the CPU
+    kernels, one by the ATen ops a GPU runs (SMP_OPTIM_GENERIC=1 for its steps only)."""
+    both = []
+    for generic in (False, True):
+        params = _params(dtype)
+        groups = ([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3,
+                                             "weight_decay": 0.1}]
+                  if two_groups else [{"params": params}])
+        both.append((params, make(groups, **kwargs), generic))
+    for step in range(GENERIC_STEPS):
+        skip = 2 if step % 7 == 3 else None
+        for params, opt, generic in both:
+            _grads(params, step, skip=skip)
+            with pytest.MonkeyPatch.context() as m:
+                if generic:
+                    m.setenv("SMP_OPTIM_GENERIC", "1")
+                opt.step()
+    return both
+
+
+def _assert_same_state(kernel_opt, generic_opt, atol):
+    """The same state layout (a state_dict of one loads into the other) and values."""
+    a, b = kernel_opt.state_dict()["state"], generic_opt.state_dict()["state"]
+    assert sorted(a) == sorted(b)
+    for i in a:
+        assert a[i]["step"] == b[i]["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            x, y = a[i][key], b[i][key]
+            assert (x.dtype, x.shape, x.device) == (y.dtype, y.shape, y.device), (i, key)
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=atol,
+                                       msg=lambda m: f"state {i} {key}: {m}")
+
+
+GENERIC_CASES = [(FusedLamb, case, LAMB_CASES[case]) for case in LAMB_CASES] + [
+    (FusedNovoGrad, case, NOVOGRAD_CASES[case]) for case in NOVOGRAD_CASES]
+
+
+@pytest.mark.parametrize("make,case,kwargs", GENERIC_CASES,
+                         ids=[f"{m.__name__}: {c}" for m, c, _ in GENERIC_CASES])
+def test_generic_path_equals_the_cpu_kernels_fp32(make, case, kwargs):
+    # The same fp32 terms in the same order; norms summed in another order and ATen's
+    # division by a Scalar (a multiplication by its reciprocal) leave ~1e-7.
+    kwargs = dict(kwargs)
+    two = kwargs.pop("two_groups", False)
+    (kp, kopt, _), (gp, gopt, _) = _kernel_and_generic(make, kwargs, two_groups=two)
+    for i, (a, b) in enumerate(zip(kp, gp)):
+        assert not torch.equal(b, _params()[i]), "the parameters moved"
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=lambda m: f"param {i}: {m}")
+    _assert_same_state(kopt, gopt, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("make", [FusedLamb, FusedNovoGrad])
+def test_generic_path_half_precision_within_one_ulp(make, dtype):
+    # See ULP: nearly every element bitwise equal, the others one rounding apart. More
+    # differ than against the reference (~0.15% of LAMB's, measured): the trust ratio's
+    # norms are fp32 sums here, and on the first step, where u = +-1 + wd p, one ratio
+    # puts a set of elements at the same distance from a rounding boundary, so its
+    # last bit flips them together.
+    (kp, kopt, _), (gp, gopt, _) = _kernel_and_generic(
+        make, dict(lr=1e-2, weight_decay=0.01), dtype=dtype)
+    for i, (a, b) in enumerate(zip(kp, gp)):
+        assert b.dtype == dtype
+        differ = int((a != b).sum())
+        assert differ < 1e-2 * a.numel(), f"param {i}: {differ} of {a.numel()} differ"
+        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=ULP[dtype] * 4,
+                                   msg=lambda m: f"param {i}: {m}")
+    _assert_same_state(kopt, gopt, atol=1e-5)
+
+
+def test_generic_path_is_the_one_taken():
+    # SMP_OPTIM_GENERIC=1 runs ATen's foreach ops (seen by the profiler), without it the
+    # kernel runs none; both with a norm given as a tensor or as a float.
+    def ops(generic, norm):
+        p, g = [torch.ones(4)], [torch.ones(4)]
+        state = [torch.zeros(4)], [torch.zeros(4)]
+        with pytest.MonkeyPatch.context() as m, torch.autograd.profiler.profile() as prof:
+            if generic:
+                m.setenv("SMP_OPTIM_GENERIC", "1")
+            smp._C.optim.lamb_step(p, g, *state, [1], norm, smp._C.optim.LambOptions())
+        return {e.name for e in prof.function_events}
+    for norm in (torch.tensor(2.0), 2.0):
+        assert "aten::_foreach_mul_" in ops(True, norm)
+        assert not any(name.startswith("aten::_foreach") for name in ops(False, norm))
+
+
 @pytest.mark.parametrize("make,args,message", [
     (FusedLamb, dict(amsgrad=True), "smp: FusedLamb amsgrad=True is not supported (apex's "
      "FusedLAMB refuses it too); allowed: amsgrad=False"),
@@ -371,7 +463,9 @@ def test_fused_layer_norm_under_autocast_runs_as_layer_norm():
 
 # --- under smp: pp=2 x dp=2, with and without sharding, against one process -----------
 
-TRAIN = r"""
+# The scripts' start: smp over opts["cfg"], a net whose first weight the last stage
+# holds too (tied), and `batches(n)`, each rank's share of n equal global batches.
+PRELUDE = r"""
 import copy, json, math, sys
 import torch, torch.nn as nn
 import smp
@@ -383,26 +477,35 @@ torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 64), nn.ReLU(),
                     nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 8))
 net[6].weight = net[0].weight  # tied: the first and the last stage hold it
+
+
+def batches(n):
+    per = 16 // smp.dp_size()
+    lo = smp.dp_rank() * per
+    for step in range(n):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
+        yield step, x, y, x[lo:lo + per], y[lo:lo + per]
+
+
+def make_train(model):
+    @smp.step
+    def train(x, y):
+        loss = nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+    return train
+"""
+
+TRAIN = PRELUDE + r"""
 ref = copy.deepcopy(net)  # the plain module, one process, the whole batch
 make, kw = {"lamb": FusedLamb, "novograd": FusedNovoGrad}[opts["opt"]], opts["kw"]
 model = smp.DistributedModel(net, bucket_cap_mb=opts.get("cap_mb", 25))
 opt = smp.DistributedOptimizer(make(net.parameters(), **kw))
 ref_opt = make(ref.parameters(), **kw)
-
-
-@smp.step
-def train(x, y):
-    loss = nn.functional.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
-
-
-per = 16 // smp.dp_size()
-for step in range(4):
-    g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
-    lo = smp.dp_rank() * per
-    train(x[lo:lo + per], y[lo:lo + per])
+train = make_train(model)
+for step, x, y, xs, ys in batches(4):
+    train(xs, ys)
     opt.step()
     opt.zero_grad()
     nn.functional.mse_loss(ref(x), y).backward()
@@ -445,39 +548,16 @@ def test_pp2_dp2_equals_one_process(ranks, opt, shard):
     assert "EQUAL" in res[0].stdout, res[0]
 
 
-FP16_NORM = r"""
-import json, sys
-import torch, torch.nn as nn
-import smp
-from smp.optimizers import FusedLamb
-
-opts = json.loads(sys.argv[1])
-smp.init(opts["cfg"])
-torch.manual_seed(0)
-net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 64), nn.ReLU(),
-                    nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 8))
-net[6].weight = net[0].weight
+FP16_NORM = PRELUDE + r"""
 model = smp.DistributedModel(net, bucket_cap_mb=1 / 128)
 opt = smp.DistributedOptimizer(FusedLamb(net.parameters(), lr=1e-2, max_grad_norm=0.05),
                                static_loss_scale=8.0)  # the fp16 gradients are 8x the masters'
 norms = []
 own = opt._grad_norm
 opt._grad_norm = lambda: norms.append(own()) or norms[-1]
-
-
-@smp.step
-def train(x, y):
-    loss = nn.functional.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
-
-
-per = 16 // smp.dp_size()
-for step in range(3):
-    g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
-    lo = smp.dp_rank() * per
-    train(x[lo:lo + per], y[lo:lo + per])
+train = make_train(model)
+for step, x, y, xs, ys in batches(3):
+    train(xs, ys)
     want = float(opt.clip_master_grads(float("inf")))  # smp's global norm of the masters
     opt.step()
     assert len(norms) == step + 1, norms

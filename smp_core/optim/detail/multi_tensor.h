@@ -200,4 +200,31 @@ struct Writable {
   void write_back();
 };
 
+// One list of a step's state, as check_group() sees it: its name in messages
+// ("exp_avgs"), and whether each tensor holds one element per parameter element
+// (contiguous) or one element for the whole parameter.
+struct StateList {
+  const char* name;
+  const std::vector<at::Tensor>& tensors;
+  bool per_element;
+};
+
+// Checks a parameter group's lists as lamb_step and novograd_step take them (either
+// path): as many of each; each param fp32, fp16 or bf16 with a grad of its dtype and
+// shape on its device; each state fp32 on the param's device; every step >= 1. Throws
+// std::runtime_error "optim: <op>: ..." naming the first mismatch.
+void check_group(const char* op, const std::vector<at::Tensor>& params,
+                 const std::vector<at::Tensor>& grads, const std::vector<StateList>& states,
+                 const std::vector<int64_t>& steps);
+
+// A group as the CPU kernels read it: each parameter Writable, each gradient
+// contiguous, and their sizes; write_back() copies into non-contiguous parameters.
+struct CpuGroup {
+  std::vector<Writable> params;
+  std::vector<at::Tensor> grads;
+  std::vector<int64_t> numels;
+  CpuGroup(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
+  void write_back();
+};
+
 }  // namespace smp::optim::detail

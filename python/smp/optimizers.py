@@ -67,6 +67,17 @@ class _Fused(torch.optim.Optimizer):
     subclass gives `_group_options(group)`, `_kernel(...)` and `_step_context()`."""
 
     _name = None  # "FusedLamb", for messages
+    _exp_avg_sq_per_tensor = False  # exp_avg_sq: one element per parameter element
+
+    @staticmethod
+    def _state_keys():
+        return ("exp_avg", "exp_avg_sq")
+
+    def _init_state(self, p, state):
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        shape = () if self._exp_avg_sq_per_tensor else p.shape
+        state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
 
     def __init__(self, params, defaults, set_grad_none):
         super().__init__(params, defaults)
@@ -196,15 +207,6 @@ class FusedLamb(_Fused):
         super().__init__(params, defaults, set_grad_none)
         self._step_norm = None  # set by _smp_whole_step
 
-    @staticmethod
-    def _state_keys():
-        return ("exp_avg", "exp_avg_sq")
-
-    @staticmethod
-    def _init_state(p, state):
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
     def _options(self, group, max_grad_norm):
         """The group's options for the kernel (validated: smp.ConfigError)."""
@@ -328,6 +330,7 @@ class FusedNovoGrad(_Fused):
     """
 
     _name = "FusedNovoGrad"
+    _exp_avg_sq_per_tensor = True  # the norm average v, one number per parameter
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0., amsgrad=False, reg_inside_moment=False, grad_averaging=True,
@@ -340,15 +343,6 @@ class FusedNovoGrad(_Fused):
         self._options(defaults)  # validates
         super().__init__(params, defaults, set_grad_none)
 
-    @staticmethod
-    def _state_keys():
-        return ("exp_avg", "exp_avg_sq")
-
-    @staticmethod
-    def _init_state(p, state):
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        state["exp_avg_sq"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
     def _options(self, group):
         """The group's options for the kernel (validated: smp.ConfigError)."""

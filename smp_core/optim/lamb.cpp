@@ -147,16 +147,10 @@ SMP_OPTIM_CLONES void fused_l2(const float* g, float* p, float* m, float* v, int
 }  // namespace
 
 void validate(const LambOptions& o) {
-  auto bad = [](const char* name, double value, const char* allowed) {
-    throw ConfigError(str_cat("smp: FusedLamb ", name, "=", value, " is not ", allowed));
-  };
-  if (!(o.lr >= 0)) bad("lr", o.lr, "a number >= 0");
-  if (!(o.beta1 >= 0 && o.beta1 < 1)) bad("betas[0]", o.beta1, "in [0, 1)");
-  if (!(o.beta2 >= 0 && o.beta2 < 1)) bad("betas[1]", o.beta2, "in [0, 1)");
-  if (!(o.eps >= 0)) bad("eps", o.eps, "a number >= 0");
-  if (!(o.weight_decay >= 0)) bad("weight_decay", o.weight_decay, "a number >= 0");
+  detail::validate_common("FusedLamb", o.lr, o.beta1, o.beta2, o.eps, o.weight_decay);
   if (!(o.max_grad_norm >= 0)) {
-    bad("max_grad_norm", o.max_grad_norm, "a number >= 0 (0 or inf: no clipping)");
+    throw ConfigError(str_cat("smp: FusedLamb max_grad_norm=", o.max_grad_norm,
+                              " is not a number >= 0 (0 or inf: no clipping)"));
   }
 }
 

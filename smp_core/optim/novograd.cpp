@@ -71,16 +71,10 @@ SMP_OPTIM_CLONES void update_inside(const float* g, float* p, float* m, int64_t 
 }  // namespace
 
 void validate(const NovoGradOptions& o) {
-  auto bad = [](const char* name, double value, const char* allowed) {
-    throw ConfigError(str_cat("smp: FusedNovoGrad ", name, "=", value, " is not ", allowed));
-  };
-  if (!(o.lr >= 0)) bad("lr", o.lr, "a number >= 0");
-  if (!(o.beta1 >= 0 && o.beta1 < 1)) bad("betas[0]", o.beta1, "in [0, 1)");
-  if (!(o.beta2 >= 0 && o.beta2 < 1)) bad("betas[1]", o.beta2, "in [0, 1)");
-  if (!(o.eps >= 0)) bad("eps", o.eps, "a number >= 0");
-  if (!(o.weight_decay >= 0)) bad("weight_decay", o.weight_decay, "a number >= 0");
+  detail::validate_common("FusedNovoGrad", o.lr, o.beta1, o.beta2, o.eps, o.weight_decay);
   if (o.norm_type != NovoGradNorm::kL2 && o.norm_type != NovoGradNorm::kInf) {
-    bad("norm_type", static_cast<int>(o.norm_type), "one of {2 (L2), 0 (infinity)}");
+    throw ConfigError(str_cat("smp: FusedNovoGrad norm_type=", static_cast<int>(o.norm_type),
+                              " is not one of {2 (L2), 0 (infinity)}"));
   }
 }
 

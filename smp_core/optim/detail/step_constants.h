@@ -8,10 +8,25 @@
 #include <cmath>
 #include <cstdint>
 
+#include "smp_core/errors.h"
 #include "smp_core/optim/lamb.h"
 #include "smp_core/optim/novograd.h"
 
 namespace smp::optim::detail {
+
+// The ranges both optimizers' validate() check (lr, betas, eps, weight_decay), in that
+// order; throws ConfigError "smp: <optimizer> <name>=<value> is not <allowed>".
+inline void validate_common(const char* optimizer, double lr, double beta1, double beta2,
+                            double eps, double weight_decay) {
+  auto bad = [&](const char* name, double value, const char* allowed) {
+    throw ConfigError(str_cat("smp: ", optimizer, " ", name, "=", value, " is not ", allowed));
+  };
+  if (!(lr >= 0)) bad("lr", lr, "a number >= 0");
+  if (!(beta1 >= 0 && beta1 < 1)) bad("betas[0]", beta1, "in [0, 1)");
+  if (!(beta2 >= 0 && beta2 < 1)) bad("betas[1]", beta2, "in [0, 1)");
+  if (!(eps >= 0)) bad("eps", eps, "a number >= 0");
+  if (!(weight_decay >= 0)) bad("weight_decay", weight_decay, "a number >= 0");
+}
 
 // One tensor's LAMB constants at its step `step` (>= 1).
 struct LambConstants {

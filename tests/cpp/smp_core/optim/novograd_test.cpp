@@ -13,44 +13,17 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "smp_core/errors.h"
+#include "test_group.h"
 
 namespace smp::optim {
 namespace {
 
-struct Group {
-  std::vector<at::Tensor> p, g, m, v;
-  std::vector<int64_t> steps;
-};
+using test_util::clone;
+using test_util::Group;
+using test_util::new_grads;
 
 Group make_group(const std::vector<int64_t>& sizes, at::ScalarType dtype, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  Group grp;
-  for (int64_t n : sizes) {
-    grp.p.push_back(at::randn({n}, gen).to(dtype));
-    grp.m.push_back(at::zeros({n}));
-    grp.v.push_back(at::zeros({}));
-    grp.steps.push_back(0);
-  }
-  return grp;
-}
-
-void new_grads(Group& grp, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  grp.g.clear();
-  for (const auto& p : grp.p) grp.g.push_back(at::randn(p.sizes(), gen).to(p.scalar_type()));
-  for (auto& s : grp.steps) ++s;
-}
-
-Group clone(const Group& grp) {
-  Group c;
-  for (size_t i = 0; i < grp.p.size(); ++i) {
-    c.p.push_back(grp.p[i].clone());
-    c.m.push_back(grp.m[i].clone());
-    c.v.push_back(grp.v[i].clone());
-  }
-  for (const auto& g : grp.g) c.g.push_back(g.clone());
-  c.steps = grp.steps;
-  return c;
+  return test_util::make_group(sizes, dtype, seed, /*v_per_tensor=*/true);
 }
 
 // Note [NovoGrad step], element by element in fp32, norms in double.

@@ -18,6 +18,9 @@
 //   device, the kernels: fp32 lanes added in double), ATen divides by a Scalar as a
 //   multiplication by its reciprocal, and its CPU/CUDA ops may fuse multiply-adds. The
 //   paths agree to ~1e-7 relative per step (tests/python/test_fused.py compares them).
+//   The global sum of squares (sum_of_squares_generic) is float64, one tensor's copy at
+//   a time: LAMB's update amplifies an error of the clip factor by up to 1 / eps where
+//   |g| ~ eps, and fp32 norms there moved parameters by 1e-6 in 20 steps.
 // - No host sync: scalars that depend on the data stay device tensors (the global norm
 //   when the caller passes it on the device, the per-tensor norms, the clip factor, the
 //   ratios and NovoGrad's v), and a branch on one is at::where, never .item(). What the

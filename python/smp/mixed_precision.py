@@ -96,12 +96,18 @@ def cast_module(module, later=lambda t: False):
     in place, so the first step's trace runs the model as it will train. Those that
     `later(t)` names (a deferred model's recorded tensors) are cast as they are
     materialized instead."""
+    _cast([t for t in list(module.parameters()) + list(module.buffers()) if not later(t)])
+
+
+def _cast(tensors):
+    """Each floating-point tensor of `tensors`, in place (its Python object kept), to
+    the config's dtype."""
     dtype = model_dtype()
     if dtype is None:
         return
     with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            if t.is_floating_point() and t.dtype != dtype and not later(t):
+        for t in tensors:
+            if t.is_floating_point() and t.dtype != dtype:
                 t.data = t.data.to(dtype)
 
 
@@ -120,13 +126,7 @@ def cast_inputs(args, kwargs):
 def cast_model(model):
     """Note [Half-precision model]: this rank's floating-point parameters and buffers,
     in place, to the config's dtype (nothing without fp16/bf16)."""
-    dtype = model_dtype()
-    if dtype is None:
-        return
-    with torch.no_grad():
-        for t in list(model.local_parameters()) + list(model.local_buffers()):
-            if t.is_floating_point() and t.dtype != dtype:
-                t.data = t.data.to(dtype)
+    _cast(list(model.local_parameters()) + list(model.local_buffers()))
 
 
 # --- the optimizer's side -------------------------------------------------------------
@@ -290,9 +290,9 @@ def _prepare(optimizer, mp):
     for p, m in _pairs(optimizer, mp):
         if p.grad is None:
             m.grad = None
-        else:
-            g = p.grad.detach().float()
-            m.grad = g.mul_(inv) if inv != 1.0 else (g if g is not p.grad else g.clone())
+            continue
+        g = p.grad.detach().float()  # a copy: masters are of half-precision parameters
+        m.grad = g.mul_(inv) if inv != 1.0 else g
     mp.prepared = True
 
 
@@ -317,7 +317,7 @@ def step(optimizer, sharded_step, own_step):
         if overflow:
             return None  # skipped on every rank (Note [One overflow decision])
         if not mp.master_weights:
-            return sharded_step(lambda *a, **k: own_step(*a, **k))
+            return sharded_step(own_step)
         return sharded_step(lambda *a, **k: _on_masters(optimizer, mp, own_step, a, k))
     finally:
         if mp.scaler is not None:

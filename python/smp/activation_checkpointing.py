@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from smp import core
+from smp.process_state import is_tracing, state
 
 __all__ = ["set_activation_checkpointing"]
 
@@ -73,7 +73,7 @@ def set_activation_checkpointing(module, preserve_rng_state=True, pack_args_as_t
         if not isinstance(value, bool):
             raise ValueError(f"smp.set_activation_checkpointing: '{name}'={value!r} is not "
                              "one of {True, False}")
-    model = core.state.model
+    model = state.model
     if model is None:
         raise RuntimeError("smp.set_activation_checkpointing: no smp.DistributedModel yet; "
                            "wrap the model first and pass one of its modules "
@@ -95,7 +95,7 @@ def _mark(module, cfg):
 
 
 def _active():
-    return torch.is_grad_enabled() and not core.is_tracing()
+    return torch.is_grad_enabled() and not is_tracing()
 
 
 def _checkpointed(fn, cfg, *args, **kwargs):

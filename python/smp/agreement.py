@@ -19,7 +19,11 @@ import sys
 
 import torch
 
-from smp import core
+from smp._C import ConfigError
+from smp.collectives import allgather
+from smp.groups import CommGroup
+from smp.process_state import is_initialized
+from smp.ranks import members
 
 __all__ = []
 
@@ -85,7 +89,7 @@ def agree(error, group, verdict, value=None, own_first=False):
 
     Args:
         error: this rank's exception, or None.
-        group: a core.CommGroup.
+        group: a CommGroup.
         verdict: callable(failures, size) -> the exception every rank raises, where
             `failures` is [(group rank, kind, text)] of each failing rank in group-rank
             order and `size` the number of ranks that took part.
@@ -101,8 +105,8 @@ def agree(error, group, verdict, value=None, own_first=False):
         when any rank has an error.
     """
     mine = (value, error_of(error))
-    if core.is_initialized() and len(core.members(group)) > 1:
-        everyone = core.allgather(mine, group)
+    if is_initialized() and len(members(group)) > 1:
+        everyone = allgather(mine, group)
     else:
         everyone = [mine]
     failures = [(r, e[0], e[1]) for r, (_, e) in enumerate(everyone) if e is not None]
@@ -118,7 +122,7 @@ def first_error(what):
     ConfigError (for a ValueError) or a RuntimeError, naming that rank and `what`."""
     def verdict(failures, size):
         r, kind, text = failures[0]
-        cls = core.ConfigError if kind in ("ConfigError", "ValueError") else \
+        cls = ConfigError if kind in ("ConfigError", "ValueError") else \
             MemoryError if kind == "MemoryError" else RuntimeError
         return cls(f"{text} (rank {r}, in {what}; raised on every rank)")
     return verdict
@@ -136,10 +140,10 @@ def agree_on_first_step(module, error=None):
         rank's message, or ModelMismatchError, on every rank.
     """
     sig = signature(module)
-    digests = agree(error, core.CommGroup.WORLD, first_error("the first step"),
+    digests = agree(error, CommGroup.WORLD, first_error("the first step"),
                     value=_digest(sig))
     if len(set(digests)) > 1:
-        sigs = core.allgather(sig, core.CommGroup.WORLD)
+        sigs = allgather(sig, CommGroup.WORLD)
         raise ModelMismatchError(describe_mismatch(sigs))
 
 

@@ -19,7 +19,9 @@ import warnings
 
 import torch
 
-from smp import core, mixed_precision
+from smp import mixed_precision
+from smp.process_state import is_initialized, state
+from smp.ranks import pp_size
 
 __all__ = ["GradScaler"]
 
@@ -71,12 +73,12 @@ class GradScaler(_Base):
 
 def _spans_ranks(optimizer):
     """Whether `optimizer` steps part of an smp model whose gradients span ranks."""
-    if not core.is_initialized() or not hasattr(optimizer, "_smp_orig_step"):
+    if not is_initialized() or not hasattr(optimizer, "_smp_orig_step"):
         return False
-    model = getattr(core.state, "model", None)
+    model = getattr(state, "model", None)
     if model is None or not model.partitioned:
         return False
-    return core.pp_size() > 1 or model.replica.shard is not None
+    return pp_size() > 1 or model.replica.shard is not None
 
 
 _OWN_UNSCALE = None

@@ -28,7 +28,7 @@ STEP_CALL = "an @smp.step function"
 @contextlib.contextmanager
 def api_call(name):
     """Names the user-facing call whose collectives run inside (the outermost wins);
-    also a decorator: `@core.api_call("smp.save()")`."""
+    also a decorator: `@api_call("smp.save()")`."""
     outer = getattr(_api_call, "name", None)
     if outer is None:
         _api_call.name = name

@@ -40,7 +40,10 @@ import warnings
 
 import torch
 
-from smp import nested
+from smp import agreement, memory_estimate, nested, optimizer_sharding
+from smp.groups import CommGroup
+from smp.process_state import is_initialized
+from smp.ranks import size
 
 __all__ = []
 
@@ -688,9 +691,8 @@ def memory_limit():
 def training_state_bytes(module, optimizer):
     """(bytes, parameters) of the training state of `module`'s meta tensors with
     elements (those this rank keeps): Note [Memory budget]."""
-    from smp import core, memory_estimate, optimizer_sharding
     states, opt_name = memory_estimate.states_per_param(optimizer)
-    shards = optimizer_sharding.shards() if core.is_initialized() else 1
+    shards = optimizer_sharding.shards() if is_initialized() else 1
     factor = memory_estimate.param_memory_factor(optimizer, shards)
     need, params = 0, 0
     for _, _, _, t in state_tensors(module):
@@ -707,7 +709,6 @@ def training_state_bytes(module, optimizer):
 
 def check_budget(module, optimizer, partitions):
     """Raises on every rank if some rank's partition cannot fit (Note [Memory budget])."""
-    from smp import agreement, core
     need, params, states, opt_name = training_state_bytes(module, optimizer)
     limit, source = memory_limit()
     error = None
@@ -721,8 +722,8 @@ def check_budget(module, optimizer, partitions):
             f"{what}) but the process may allocate {limit / 2**30:.2f} GiB more ({source}); "
             f"with partitions={partitions} it cannot train. Use more partitions, or a "
             "smaller model")
-    if core.is_initialized() and core.size() > 1:
-        agreement.agree(error, core.CommGroup.WORLD,
+    if is_initialized() and size() > 1:
+        agreement.agree(error, CommGroup.WORLD,
                         agreement.first_error("sizing the model's partition"), own_first=True)
     elif error is not None:
         raise error

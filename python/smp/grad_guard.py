@@ -11,7 +11,9 @@ rank that serves the driver's requests (pp rank > 0), while the model is inside 
 inside that backward, before the optimizer can apply the gradient. This module keeps
 the error's text.
 """
-from smp import _C, core
+from smp import _C
+from smp.process_state import state
+from smp.ranks import dp_size, pp_rank, pp_size, rank
 
 __all__ = []
 
@@ -27,7 +29,7 @@ def _raise(name, in_step):
 
 
 def _text(what_happened, in_step):
-    dp, pp = core.dp_size(), core.pp_size()
+    dp, pp = dp_size(), pp_size()
     if in_step:
         what = ("inside an @smp.step function by loss.backward() (or "
                 "torch.autograd.backward)")
@@ -40,11 +42,11 @@ def _text(what_happened, in_step):
     if pp > 1:
         why.append(f"with partitions={pp} only model.backward() runs the backward across "
                    "the pipeline stages")
-    if core.state.model is not None and core.state.model.replica.reduces:
+    if state.model is not None and state.model.replica.reduces:
         why.append(f"with 'ddp': true it would not be reduced across the {dp} model "
                    "replicas, which would drift apart")
     return (f"smp: {what_happened} {what}; {' and '.join(why)}. To fix: {fix} "
-            f"(rank {core.rank()})")
+            f"(rank {rank()})")
 
 
 def backward_in_trace(*_args, **_kwargs):
@@ -62,7 +64,7 @@ class GradGuard:
     """
 
     def __init__(self, named_params):
-        serving = core.pp_size() > 1 and core.pp_rank() > 0
+        serving = pp_size() > 1 and pp_rank() > 0
         self._guard = _C.GradGuard(list(named_params), serving, _raise)
 
     @property

@@ -27,7 +27,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from smp import core
+from smp.groups import get_pp_process_group, get_world_process_group
+from smp.process_state import is_initialized, state
+from smp.ranks import pp_size
 
 __all__ = []
 
@@ -116,8 +118,8 @@ def global_norm(model, params, norm_type=2.0, local=_torch_local, grad_of=None):
     device = first.device if first is not None else torch.device("cpu")
     grads = [grad_of(p).detach() for p in counted(model, params, grad_of)]
     total = local(grads, norm_type).to(device)
-    group = (core.get_world_process_group() if model.replica.shard is not None
-             else core.get_pp_process_group() if core.pp_size() > 1 else None)
+    group = (get_world_process_group() if model.replica.shard is not None
+             else get_pp_process_group() if pp_size() > 1 else None)
     if group is not None:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         total = total.float() if total.dtype not in (torch.float32, torch.float64) else total
@@ -128,12 +130,12 @@ def global_norm(model, params, norm_type=2.0, local=_torch_local, grad_of=None):
 def spanning_model():
     """The DistributedModel whose gradients span more than this rank (partitioned, with
     partitions > 1 or sharded optimizer state), or None."""
-    if not core.is_initialized():
+    if not is_initialized():
         return None
-    model = getattr(core.state, "model", None)
+    model = getattr(state, "model", None)
     if model is None or not model.partitioned:
         return None
-    if core.pp_size() == 1 and model.replica.shard is None:
+    if pp_size() == 1 and model.replica.shard is None:
         return None
     return model
 

@@ -27,7 +27,11 @@ from typing import NamedTuple
 
 import torch
 
-from smp import _C, core
+from smp import _C
+from smp.collectives import STEP_CALL, api_call
+from smp.groups import get_dp_process_group
+from smp.process_state import is_initialized
+from smp.ranks import pp_rank, pp_size
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 
@@ -87,7 +91,7 @@ def _protocol(pg):
     """The JoinProtocol of `pg` (one per group, so its iteration count is the group's)."""
     held = _protocols.get(id(pg))
     if held is None or held[0] is not pg:
-        name = "dp" if core.is_initialized() and pg is core.get_dp_process_group() else "join"
+        name = "dp" if is_initialized() and pg is get_dp_process_group() else "join"
         held = (pg, _C.JoinProtocol(pg, group_name=name))
         _protocols[id(pg)] = held
     return held[1]
@@ -140,7 +144,7 @@ class Join:
             from smp import optimizer_sharding
             if optimizer_sharding.enabled():
                 # A joined rank would miss the broadcasts of its shard's parameters.
-                raise core.ConfigError(
+                raise _C.ConfigError(
                     "smp.join.Join: config 'shard_optimizer_state'=true is not supported "
                     "with uneven inputs (Join) yet; set it to false, or give every rank "
                     "the same number of batches")
@@ -187,7 +191,7 @@ class Join:
             if not self._enable or exc_type is not None:
                 return  # an exception propagates as it is
             model = _pipelined_model(self._joinables)
-            if model is not None and core.pp_rank() > 0:
+            if model is not None and pp_rank() > 0:
                 _peer_join_loop(model)  # Note [Join with pipeline parallelism]
                 return
             proto = _protocol(self._process_group)
@@ -291,7 +295,7 @@ def make_optimizer_joinable(opt):
     opt._smp_join_passive = True
     opt.join_hook = lambda **kwargs: _OptimizerJoinHook()
     opt.join_device = torch.device("cpu")
-    opt.join_process_group = core.get_dp_process_group()
+    opt.join_process_group = get_dp_process_group()
 
 
 # Active ranks, in DistributedModel._run_step (pp=1) / PipelinePart.run_step:
@@ -303,7 +307,7 @@ class _StepJoin:
 
     def __init__(self, model):
         self.model = model
-        self.proto = _protocol(core.get_dp_process_group())
+        self.proto = _protocol(get_dp_process_group())
         self.sync = False
 
     def sync_buffers(self):
@@ -342,15 +346,15 @@ def _has_buffers(model):
     return model.broadcast_buffers and model.replica.has_buffers()
 
 
-@core.api_call(core.STEP_CALL)  # the collectives of an active rank's step: the same name
+@api_call(STEP_CALL)  # the collectives of an active rank's step: the same name
 def shadow_step(model):
     """A joined rank's iteration: the collectives of an active rank's step."""
     replica = model.replica
     if not replica.reduces:
         return
-    proto = _protocol(core.get_dp_process_group())
+    proto = _protocol(get_dp_process_group())
     if not model.partitioned:
-        if core.pp_size() > 1:
+        if pp_size() > 1:
             raise RuntimeError("smp.join: with partitions > 1 every rank must run at least the "
                                "first step (a replica with zero batches cannot be partitioned)")
         model.first_step_without_batch()  # the first step's agreement and broadcast
@@ -366,7 +370,7 @@ def sync_final_model(model, is_last_joiner):
     replica = model.replica
     if not replica.reduces:
         return
-    proto = _protocol(core.get_dp_process_group())
+    proto = _protocol(get_dp_process_group())
     tensors = list(model.local_parameters()) + list(model.local_buffers())
     _C.join_sync_final(proto, replica.reducer, tensors, bool(is_last_joiner))
 
@@ -390,7 +394,7 @@ SHADOWED = object()  # _run_step's answer when a peer's step call was a shadow i
 
 def _pipelined_model(joinables):
     for j in joinables:
-        if getattr(j, "pipeline", None) is not None and core.pp_size() > 1:
+        if getattr(j, "pipeline", None) is not None and pp_size() > 1:
             return j
     return None
 
@@ -411,10 +415,10 @@ def pipeline_begin_step(model):
     if not _in_join(model):
         return None
     if model.replica.pipeline_join_done:
-        raise RuntimeError(f"smp.join: pp rank {core.pp_rank()} has more batches than its "
+        raise RuntimeError(f"smp.join: pp rank {pp_rank()} has more batches than its "
                            "pipeline driver (pp rank 0), and every replica has joined")
     if model.pipeline is not None:
-        if core.pp_rank() == 0:
+        if pp_rank() == 0:
             _pp_announce(model, "step")
         else:
             state, is_last_joiner = _pp_receive(model)
@@ -430,7 +434,7 @@ def _peer_joined_iteration(model, state, is_last_joiner):
     proto = _protocol(ctx._process_group)
     n = proto.count_not_joined()
     if (n == 0) != (state == "done"):
-        raise RuntimeError(f"smp.join: pp rank {core.pp_rank()} counted {n} active replicas "
+        raise RuntimeError(f"smp.join: pp rank {pp_rank()} counted {n} active replicas "
                            f"on its dp group but its driver says '{state}' (a bug)")
     if state == "shadow":
         ctx._joined_iteration(proto)
@@ -440,7 +444,7 @@ def _peer_joined_iteration(model, state, is_last_joiner):
         hook.post_hook(is_last_joiner)
 
 
-@core.api_call(core.STEP_CALL)  # it runs the driver's steps
+@api_call(STEP_CALL)  # it runs the driver's steps
 def _peer_join_loop(model):
     """A pp peer whose own loop ran out: follows its driver until every replica joined."""
     try:

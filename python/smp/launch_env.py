@@ -222,7 +222,7 @@ def rendezvous(world_env, timeout_s, wait_for_listener):
         world_env: from `from_environment`.
         timeout_s: bound of the connection (and of the store's later waits).
         wait_for_listener: callable(addr, port, timeout_s) that returns once rank 0's
-            store accepts connections (smp.core's fast poll).
+            store accepts connections (smp.runtime's fast poll).
 
     Raises:
         ConfigError: rank 0 cannot host the store on MASTER_PORT (the port is taken).

@@ -35,7 +35,9 @@ import contextlib
 
 import torch
 
-from smp import _C, core
+from smp import _C, process_state
+from smp.groups import get_pp_process_group, get_world_process_group
+from smp.ranks import pp_size
 
 __all__ = ["model_creation"]
 
@@ -47,7 +49,7 @@ _DYNAMIC_KEYS = ("init_scale", "scale_factor", "scale_window", "min_scale", "del
 
 def model_dtype():
     """The dtype the config keeps the model in (fp16, bf16), or None."""
-    cfg = getattr(core.state, "cfg", None)
+    cfg = getattr(process_state.state, "cfg", None)
     if cfg is None:
         return None
     if getattr(cfg, "fp16", False):
@@ -71,13 +73,13 @@ def model_creation(tensor_parallelism=False, dtype=None, **tensor_parallel_confi
         dtype: the dtype of the modules built inside, or None (as they are).
     """
     if tensor_parallelism or tensor_parallel_config:
-        raise core.ConfigError(
+        raise _C.ConfigError(
             f"smp.model_creation: tensor_parallelism={tensor_parallelism!r} and "
             f"{sorted(tensor_parallel_config)} are not supported yet (allowed: "
             "tensor_parallelism=False and no tensor-parallel arguments)")
     allowed = (None, torch.float16, torch.bfloat16, torch.float32)
     if dtype not in allowed:
-        raise core.ConfigError(f"smp.model_creation: dtype={dtype!r} is not allowed (allowed: "
+        raise _C.ConfigError(f"smp.model_creation: dtype={dtype!r} is not allowed (allowed: "
                                "None, torch.float16, torch.bfloat16, torch.float32)")
     if dtype is None:
         yield
@@ -147,14 +149,14 @@ def _dynamic_args(args):
     if args is None:
         return {}
     if not isinstance(args, dict):
-        raise core.ConfigError(f"smp.DistributedOptimizer: dynamic_loss_args={args!r} is not "
+        raise _C.ConfigError(f"smp.DistributedOptimizer: dynamic_loss_args={args!r} is not "
                                f"a dict (allowed keys: {', '.join(_DYNAMIC_KEYS)})")
     out = {}
     for k, v in args.items():
         if isinstance(v, bool):
             v = float(v)
         if not isinstance(v, (int, float)):
-            raise core.ConfigError(
+            raise _C.ConfigError(
                 f"smp.DistributedOptimizer: dynamic_loss_args[{k!r}]={v!r} is not a number"
                 + ("" if k in _DYNAMIC_KEYS else
                    f" (and {k!r} is not a key: allowed keys: {', '.join(_DYNAMIC_KEYS)})"))
@@ -168,10 +170,10 @@ def setup_optimizer(optimizer, static_loss_scale, dynamic_loss_scale, dynamic_lo
     makes the same call) and attaches their state to `optimizer`."""
     dtype = model_dtype()
     if static_loss_scale is not None and not isinstance(static_loss_scale, (int, float)):
-        raise core.ConfigError(f"smp.DistributedOptimizer: static_loss_scale="
+        raise _C.ConfigError(f"smp.DistributedOptimizer: static_loss_scale="
                                f"{static_loss_scale!r} is not a number (allowed: a number > 0)")
     if dynamic_loss_args is not None and not dynamic_loss_scale:
-        raise core.ConfigError("smp.DistributedOptimizer: dynamic_loss_args is given with "
+        raise _C.ConfigError("smp.DistributedOptimizer: dynamic_loss_args is given with "
                                "dynamic_loss_scale=False (allowed: dynamic_loss_scale=True "
                                "with dynamic_loss_args, or neither)")
     if dynamic_loss_scale:
@@ -180,11 +182,11 @@ def setup_optimizer(optimizer, static_loss_scale, dynamic_loss_scale, dynamic_lo
         scaler = _C.LossScaler.fixed(1.0 if static_loss_scale is None else
                                      float(static_loss_scale))
     if dtype == torch.float16 and master_weights is False:
-        raise core.ConfigError("smp.DistributedOptimizer: master_weights=False with config "
+        raise _C.ConfigError("smp.DistributedOptimizer: master_weights=False with config "
                                "'fp16'=true (allowed: True; fp16 steps need fp32 master "
                                "weights, only bf16 may go without)")
     if dtype != torch.float16 and (dynamic_loss_scale or (static_loss_scale or 1.0) != 1.0):
-        raise core.ConfigError(
+        raise _C.ConfigError(
             f"smp.DistributedOptimizer: loss scaling (static_loss_scale={static_loss_scale}, "
             f"dynamic_loss_scale={dynamic_loss_scale}) needs config 'fp16'=true (it is "
             f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} here: allowed "
@@ -207,7 +209,7 @@ def of(optimizer):
 
 def loss_scale():
     """The scale model.backward() multiplies the loss by (1.0 unless fp16)."""
-    mp = of(getattr(core.state, "optimizer", None))
+    mp = of(getattr(process_state.state, "optimizer", None))
     if mp is None or mp.scaler is None:
         return 1.0
     return mp.scaler.scale
@@ -227,19 +229,19 @@ def want_overflow_check():
 def overflow_check(model):
     """The OverflowCheck of `model`'s finish, or None when no one needs it: fp16 with
     dynamic scaling, or a GradScaler (Note [One overflow decision])."""
-    mp = of(getattr(core.state, "optimizer", None))
+    mp = of(getattr(process_state.state, "optimizer", None))
     dynamic = mp is not None and mp.scaler is not None and mp.scaler.dynamic_scaling
     if not (dynamic or _OVERFLOW["wanted"]) or model is None or not model.partitioned:
         return None
     if _OVERFLOW["model"] is not model:
         params = list(model.local_parameters())
         if model.replica.shard is not None:  # Note [Sharded optimizer state]
-            group = core.get_world_process_group()
-        elif core.pp_size() > 1:
-            group = core.get_pp_process_group()
+            group = get_world_process_group()
+        elif pp_size() > 1:
+            group = get_pp_process_group()
         else:
             group = None  # dp replicas hold equal gradients
-        _OVERFLOW["check"] = _C.OverflowCheck(params, group, core.state.cfg.timeout_s)
+        _OVERFLOW["check"] = _C.OverflowCheck(params, group, process_state.state.cfg.timeout_s)
         _OVERFLOW["model"] = model
     return _OVERFLOW["check"]
 
@@ -248,7 +250,7 @@ def found_overflow():
     """This step's agreed overflow (taken: the next step decides anew). Where no finish
     decided it (partitions == 1, or a scaler that appeared mid-run) it is decided now,
     on the main thread, where every rank makes the same call."""
-    model = getattr(core.state, "model", None)
+    model = getattr(process_state.state, "model", None)
     check = overflow_check(model) if model is not None else None
     if check is None:
         return False

@@ -15,13 +15,16 @@ import contextlib
 
 import torch
 
-from smp import core
+from smp import process_state
 from smp import activation_checkpointing, agreement, deferred_init, grad_guard
 from smp import mixed_precision, optimizer_sharding
 from smp import join as _join
+from smp._C import ConfigError
+from smp.groups import get_dp_process_group
 from smp.model_pipeline import PipelinePart
 from smp.model_state import COMPILED, ModelStateMixin, canonical_key
 from smp.model_views import LocalViewsMixin
+from smp.ranks import dp_size, pp_rank, pp_size, size
 from smp.replica import Replica
 
 __all__ = []
@@ -97,7 +100,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
                  trace_memory_usage=False, broadcast_buffers=True,
                  gradient_as_bucket_view=False):
         super().__init__()
-        core.require_init()
+        process_state.require_init()
         _check_arg("module", module, isinstance(module, torch.nn.Module), "a torch.nn.Module")
         _check_arg("trace_device", trace_device, trace_device in ("cpu", "gpu"),
                    "one of {cpu, gpu}")
@@ -115,13 +118,13 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
                     gradient_as_bucket_view=gradient_as_bucket_view)
         for name in _BOOL_ARGS:
             _check_arg(name, args[name], isinstance(args[name], bool), "one of {True, False}")
-        if core.state.model is not None:
+        if process_state.state.model is not None:
             raise RuntimeError("smp: only one smp.DistributedModel may exist per process")
-        cfg = core.state.cfg
-        if core.dp_size() > 1 and not cfg.ddp:
-            raise core.ConfigError(
-                f"smp: config 'ddp'=false but the world holds {core.dp_size()} model replicas "
-                f"(world {core.size()} / partitions {cfg.partitions}); set 'ddp': true so "
+        cfg = process_state.state.cfg
+        if dp_size() > 1 and not cfg.ddp:
+            raise ConfigError(
+                f"smp: config 'ddp'=false but the world holds {dp_size()} model replicas "
+                f"(world {size()} / partitions {cfg.partitions}); set 'ddp': true so "
                 "their gradients are reduced")
         lazy = deferred_init.lazy_modules(module)
         if lazy:
@@ -164,14 +167,14 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self._grad_guard = None
         if not self._deferred:  # (a deferred model's parameters change tensors first)
             self._guard_gradients()
-        core.state.model = self
+        process_state.state.model = self
         from smp import grad_norm
         grad_norm.redirect_torch_clip()  # Note [torch's clip on the whole model]
 
     def _guard_gradients(self):
         # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp, or
         # with partitions > 1 (where it would bypass the pipeline's backward), raises.
-        if self.replica.reduces or core.pp_size() > 1:
+        if self.replica.reduces or pp_size() > 1:
             self._grad_guard = grad_guard.GradGuard(self.module.named_parameters())
             self._grad_guard.in_step = self._in_step_flag
 
@@ -210,7 +213,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             yield canonical_key(name), b
 
     def forward(self, *args, **kwargs):
-        if not self._in_step and core.pp_size() > 1:
+        if not self._in_step and pp_size() > 1:
             raise RuntimeError("smp: a partitioned DistributedModel can only be called inside "
                                "an @smp.step function")
         args, kwargs = mixed_precision.cast_inputs(args, kwargs)
@@ -250,24 +253,24 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         """
         if self._in_step:
             raise RuntimeError("smp: @smp.step functions cannot be nested")
-        if core.pp_size() > 1:  # Join: pp peers follow their driver (smp/join.py)
+        if pp_size() > 1:  # Join: pp peers follow their driver (smp/join.py)
             joining = _join.pipeline_begin_step(self)
             if joining is _join.SHADOWED:  # this replica has joined: a shadow iteration
-                return [None] * core.state.cfg.microbatches
+                return [None] * process_state.state.cfg.microbatches
         else:
             joining = _join.begin_step(self)  # None outside an enabled Join
         if not self.partitioned:
             self._partition(fn, mb_inputs, input_error)
         elif input_error is not None:
-            if core.pp_size() == 1 or core.pp_rank() == 0:
+            if pp_size() == 1 or pp_rank() == 0:
                 # The dp peers are told through the step's own collectives (Note
                 # [Failed rank] in smp_core/detail/reducer_shadow.cpp): they raise too,
                 # naming this rank.
                 sync = (self._steps + 1) % self.backward_passes_per_step == 0
                 self.replica.fail_step(sync, input_error, armed=False)
-            if core.pp_size() == 1:
+            if pp_size() == 1:
                 raise input_error
-            if core.pp_rank() == 0:  # the driver tells every pp rank, then raises
+            if pp_rank() == 0:  # the driver tells every pp rank, then raises
                 self.pipeline.engine.abort_step(input_error)
             # Other pp ranks do not use their inputs: they serve the driver's step.
         elif self.broadcast_buffers and self.replica.reduces:
@@ -280,7 +283,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         if joining is not None:
             sync_step = joining.announce(sync_step)
         self._synced_this_step = False
-        if core.pp_size() > 1:
+        if pp_size() > 1:
             self._in_step = True
             try:
                 results = self.pipeline.run_step(fn, mb_inputs, sync_step, self.replica, joining)
@@ -293,7 +296,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         try:
             try:
                 for mb, (args, kwargs) in enumerate(mb_inputs):
-                    core.state.microbatch = mb
+                    process_state.state.microbatch = mb
                     self._sync_backward = sync_step and mb == len(mb_inputs) - 1
                     if mb == 0:
                         self.replica.record_first_use(self.module)
@@ -319,17 +322,17 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
 
     def _partition(self, fn, mb_inputs, input_error=None):
         """First step: trace and partition (pp > 1), then sync the dp replicas."""
-        if core.size() > 1:
+        if size() > 1:
             agreement.agree_on_first_step(self.module, input_error)
         elif input_error is not None:
             raise input_error
         # (materializing keeps each tensor's Python object: swap_tensors)
         self._state_tensors = self.module.state_dict(keep_vars=True)
         self._state_shapes = {k: tuple(v.shape) for k, v in self._state_tensors.items()}
-        if self._deferred and core.pp_size() == 1:
-            deferred_init.check_budget(self.module, core.state.optimizer, 1)
+        if self._deferred and pp_size() == 1:
+            deferred_init.check_budget(self.module, process_state.state.optimizer, 1)
             deferred_init.materialize(self.module, dtype=mixed_precision.model_dtype())
-        if core.pp_size() > 1:
+        if pp_size() > 1:
             part = PipelinePart(self.module, fn, mb_inputs, self.trace_execution_times,
                                 self.trace_memory_usage, self._stepping, self._deferred)
             self._plan, self._owner, self._module_table = part.plan, part.owner, part.module_table
@@ -343,14 +346,14 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         if self._deferred:
             self._deferred = False
             self._guard_gradients()
-            deferred_init.check_optimizer(core.state.optimizer)
+            deferred_init.check_optimizer(process_state.state.optimizer)
         self.partitioned = True
         self.replica.shard = optimizer_sharding.divide(self)
         activation_checkpointing.after_partition(self)
         self._apply_pending_state()  # deferred model/optimizer loads (model_state.py)
-        optimizer_sharding.install(self, core.state.optimizer)
+        optimizer_sharding.install(self, process_state.state.optimizer)
         for hook in list(self._post_partition_hooks.values()):
-            hook(self, core.state.optimizer)
+            hook(self, process_state.state.optimizer)
 
     @contextlib.contextmanager
     def _stepping(self):
@@ -376,7 +379,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             grad_tensors = [None] * len(tensors)
         elif isinstance(grad_tensors, torch.Tensor):
             grad_tensors = [grad_tensors]
-        num_mb = core.state.cfg.microbatches
+        num_mb = process_state.state.cfg.microbatches
         if self.average_grads_across_microbatches and num_mb > 1:
             grad_tensors = [(torch.ones_like(t) if g is None else g) / num_mb
                             for t, g in zip(tensors, grad_tensors)]
@@ -386,11 +389,11 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             # loss in its dtype (inf where it exceeds fp16's range: an overflow).
             grad_tensors = [(torch.ones_like(t, dtype=torch.float32) if g is None else g.float())
                             .mul(scale).to(t.dtype) for t, g in zip(tensors, grad_tensors)]
-        if core.state.tracing:
+        if process_state.state.tracing:
             return  # the trace runs forward only
         if self.pipeline is not None:
             engine = self.pipeline.engine
-            engine.forward_finished(core.state.microbatch_of_task())
+            engine.forward_finished(process_state.state.microbatch_of_task())
             engine.wait_all_forwards()
             engine.backward_begins()
         elif self.replica.reduces:
@@ -427,7 +430,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
 
     @property
     def join_process_group(self):
-        return core.get_dp_process_group()
+        return get_dp_process_group()
 
     # --- hooks ------------------------------------------------------------------------
 

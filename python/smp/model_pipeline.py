@@ -10,8 +10,12 @@ import contextlib
 
 import torch
 
-from smp import agreement, core, deferred_init, log, mixed_precision, remote_errors, tracer
+from smp import agreement, deferred_init, log, mixed_precision, remote_errors, tracer
+from smp.collectives import allgather
+from smp.groups import CommGroup
 from smp.nested import map_leaves
+from smp.process_state import state
+from smp.ranks import pp_rank, pp_size, rank
 
 __all__ = []
 
@@ -41,7 +45,7 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
     copy = (lambda t: t.to("meta")) if on_meta else torch.Tensor.clone
     args, kwargs = map_leaves(mb_inputs[0], copy, lambda x: isinstance(x, torch.Tensor))
     restore = agreement.snapshot_side_effects(module)
-    core.state.tracing = True
+    state.tracing = True
     error = None
     before = deferred_init.state_tensors(module) if deferred else None
     values = (deferred_init.materialized_on_use(module, mixed_precision.model_dtype())
@@ -60,17 +64,17 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
                 "; the first step traces a model built on the meta device on meta "
                 "tensors, shapes only" if on_meta else "") + ")")
     finally:
-        core.state.tracing = False
+        state.tracing = False
         restore()
     mine = recording.nodes() if error is None else None
-    everyone = agreement.agree(error, core.CommGroup.WORLD,
+    everyone = agreement.agree(error, CommGroup.WORLD,
                                agreement.first_error("tracing the model"), value=mine,
                                own_first=True)
     # pp rank 0's measurements decide (times differ between ranks).
-    ref = everyone[core.state.topology.pp_group(core.rank())[0]]
+    ref = everyone[state.topology.pp_group(rank())[0]]
     if [r["name"] for r in ref] != [r["name"] for r in mine]:
         raise RuntimeError(f"smp: the model differs between pp ranks: {len(mine)} modules "
-                           f"on pp rank {core.pp_rank()}, {len(ref)} on pp rank 0")
+                           f"on pp rank {pp_rank()}, {len(ref)} on pp rank 0")
     measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
     return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
 
@@ -119,7 +123,7 @@ class PipelinePart:
         records = trace(module, fn, mb_inputs, execution_times, memory_usage, stepping,
                         deferred)
         nodes, plan = tracer.make_plan(records)
-        hashes = core.allgather(plan.hash, core.CommGroup.MP_GROUP)
+        hashes = allgather(plan.hash, CommGroup.MP_GROUP)
         if len(set(hashes)) != 1:
             raise RuntimeError("smp: ranks of the mp group computed different partitions "
                                f"(plan hashes by pp rank: {[hex(h) for h in hashes]})")
@@ -128,13 +132,13 @@ class PipelinePart:
                      for i, (name, _, _) in enumerate(table)]
         self.owner = {name: plan.assignment[i] for i, (name, _, _) in enumerate(table)}
         self.module_table = [(name, m) for name, m, _ in table]
-        if core.rank() == 0:  # the same plan on every rank (hash checked): said once
-            log.log_partition(self.module_table, self.owner, core.pp_size(),
-                              lambda: plan.table(nodes), core.rank())
+        if rank() == 0:  # the same plan on every rank (hash checked): said once
+            log.log_partition(self.module_table, self.owner, pp_size(),
+                              lambda: plan.table(nodes), rank())
         self.engine = pipeline.Engine()
-        self.tied = placement.apply(self.module_table, self.owner, self.engine, core.pp_rank())
+        self.tied = placement.apply(self.module_table, self.owner, self.engine, pp_rank())
         if deferred:  # Note [Memory budget]: every rank says whether it fits, then allocates
-            deferred_init.check_budget(module, core.state.optimizer, core.pp_size())
+            deferred_init.check_budget(module, state.optimizer, pp_size())
             deferred_init.materialize(module, dtype=mixed_precision.model_dtype())
         self.tied.sync_values()
         self.engine.order_gradients(module.parameters())
@@ -164,7 +168,7 @@ class PipelinePart:
             # With fp16 or a GradScaler, last: the step's overflow, agreed (Note [One
             # overflow decision] in smp_core/loss_scale.cpp).
             dispatch.finish_step_with(self.tied.begin_step(), reducer,
-                                      mixed_precision.overflow_check(core.state.model))
+                                      mixed_precision.overflow_check(state.model))
             try:
                 results, backward = self.engine.run_step(fn, mb_inputs)
             except BaseException as exc:

@@ -11,7 +11,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from smp import core
+from smp.collectives import agree_call, allgather, api_call
+from smp.groups import CommGroup, get_pp_process_group
+from smp.process_state import is_initialized, state
+from smp.ranks import get_pp_group, members, pp_rank, pp_size, rank
 
 __all__ = []
 
@@ -51,11 +54,11 @@ def exchange(have, needed, group=None):
         holds (the lowest such rank of the group provides it), and the union of every
         rank's names. Collective over `group`; moves only the entries some rank lacks.
     """
-    group = core.CommGroup.PP_GROUP if group is None else group
-    if not core.is_initialized() or len(core.members(group)) == 1:
+    group = CommGroup.PP_GROUP if group is None else group
+    if not is_initialized() or len(members(group)) == 1:
         return {}, set(have)
-    me = core.members(group).index(core.rank())
-    infos = core.allgather((sorted(have), sorted(needed)), group)
+    me = members(group).index(rank())
+    infos = allgather((sorted(have), sorted(needed)), group)
     holders = collections.defaultdict(list)
     for r, (keys, _) in enumerate(infos):
         for k in keys:
@@ -66,7 +69,7 @@ def exchange(have, needed, group=None):
         for k in wants:
             if k not in own and holders.get(k) and holders[k][0] == me:
                 provide.add(k)
-    sent = core.allgather({k: have[k] for k in sorted(provide)}, group)
+    sent = allgather({k: have[k] for k in sorted(provide)}, group)
     got = {}
     mine = set(have)
     for r, part in enumerate(sent):
@@ -79,12 +82,12 @@ def exchange(have, needed, group=None):
 def gather_to_pp0(obj):
     """pp rank 0 gets [obj of pp rank 0, 1, ...]; other ranks get None. A gather, not an
     allgather: only pp rank 0 receives."""
-    if core.pp_size() == 1:
+    if pp_size() == 1:
         return [obj]
-    group = core.get_pp_process_group()
-    dst = core.get_pp_group()[0]
-    out = [None] * core.pp_size() if core.pp_rank() == 0 else None
-    core.agree_call(core.CommGroup.PP_GROUP, "smp.gather(PP_GROUP)")
+    group = get_pp_process_group()
+    dst = get_pp_group()[0]
+    out = [None] * pp_size() if pp_rank() == 0 else None
+    agree_call(CommGroup.PP_GROUP, "smp.gather(PP_GROUP)")
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
 
@@ -128,7 +131,7 @@ class ModelStateMixin:
     def _owned_keys(self):
         if self._owner is None:
             return self._all_state_keys()
-        me = core.pp_rank()
+        me = pp_rank()
         return [k for k in self._state_tensors if self._key_owner(k) == me]
 
     def _require_values(self, what):
@@ -156,9 +159,9 @@ class ModelStateMixin:
         if bad:
             error = RuntimeError(f"smp: load_state_dict: tensors whose shape differs from "
                                  f"the model's: {', '.join(bad)}")
-        if partial and core.is_initialized() and core.pp_size() > 1:
+        if partial and is_initialized() and pp_size() > 1:
             from smp import agreement
-            agreement.agree(error, core.CommGroup.PP_GROUP,
+            agreement.agree(error, CommGroup.PP_GROUP,
                             agreement.first_error("model.load_state_dict()"))
         elif error is not None:
             raise error
@@ -171,9 +174,9 @@ class ModelStateMixin:
             for k, v in self.module.state_dict(*args, **kwargs).items())
 
     def _rank_tag(self):
-        if not core.is_initialized():
+        if not is_initialized():
             return "rank 0"
-        return f"rank {core.rank()} (pp rank {core.pp_rank()})"
+        return f"rank {rank()} (pp rank {pp_rank()})"
 
     # --- state dicts --------------------------------------------------------------------
 
@@ -191,10 +194,10 @@ class ModelStateMixin:
             for k in self._owned_keys():
                 v = self._state_tensors[k].detach()
                 sd[canonical_key(k)] = v.cpu() if cast_to_cpu else v
-        sd[PARTIAL_KEY] = core.pp_size() > 1
+        sd[PARTIAL_KEY] = pp_size() > 1
         return sd
 
-    @core.api_call("model.state_dict()")  # Note [Naming the call] in smp/core.py
+    @api_call("model.state_dict()")  # Note [Naming the call] in smp/collectives.py
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False,
                    gather_to_rank0=False, cast_to_cpu=True):
         """The full model's state dict, with exactly the plain module's keys (without
@@ -233,14 +236,14 @@ class ModelStateMixin:
             if parts is None:
                 return collections.OrderedDict()
         else:
-            parts = core.allgather(local, core.CommGroup.MP_GROUP)
+            parts = allgather(local, CommGroup.MP_GROUP)
         merged = {}
         for part in parts:
             merged.update(part)
         keys = (canonical_key(k) for k in self._state_tensors)
         return collections.OrderedDict((k, merged[k]) for k in keys if k in merged)
 
-    @core.api_call("model.load_state_dict()")
+    @api_call("model.load_state_dict()")
     def load_state_dict(self, state_dict, strict=True, same_partition_load=False):
         """Loads a full or a partial state dict, before or after partitioning.
 
@@ -258,7 +261,7 @@ class ModelStateMixin:
                              f"{type(state_dict).__name__} is not a dict")
         sd = self._to_model_keys(dict(state_dict))
         partial = bool(sd.pop(PARTIAL_KEY, False))
-        if self._owner is None and (core.pp_size() > 1 or self._deferred):
+        if self._owner is None and (pp_size() > 1 or self._deferred):
             # (a deferred model, smp/deferred_init.py, has no tensors to load into yet)
             self._pending_state = (dict(sd, **{PARTIAL_KEY: partial}), strict,
                                    same_partition_load)
@@ -331,7 +334,7 @@ class ModelStateMixin:
             sd, strict, same = self._pending_state
             self._pending_state = None
             self.load_state_dict(sd, strict, same)
-        opt = core.state.optimizer
+        opt = state.optimizer
         if opt is not None and getattr(opt, "_smp_pending_state", None) is not None:
             pending = opt._smp_pending_state
             opt._smp_pending_state = None
@@ -350,7 +353,7 @@ class ModelStateMixin:
         handle = RemovableHandle(self._post_partition_hooks)
         self._post_partition_hooks[handle.id] = hook
         if self.partitioned:
-            hook(self, core.state.optimizer)
+            hook(self, state.optimizer)
         return handle
 
     def register_post_step_hook(self, hook):
@@ -372,4 +375,4 @@ class ModelStateMixin:
         hooks = list(self._post_step_hooks.values())
         self._post_step_hooks.clear()
         for hook in hooks:
-            hook(self, core.state.optimizer)
+            hook(self, state.optimizer)

@@ -1,15 +1,15 @@
 """What a rank of a partitioned smp.DistributedModel holds: its modules, parameters
 and buffers (SMP v1's local_* methods) and the partition plan. A mixin of
 DistributedModel."""
-from smp import core
 from smp.model_state import canonical_key
+from smp.ranks import pp_rank
 
 __all__ = []
 
 
 class LocalViewsMixin:
     def _is_local(self, module_name):
-        return self._owner is None or self._owner[module_name] == core.pp_rank()
+        return self._owner is None or self._owner[module_name] == pp_rank()
 
     def local_named_modules(self, memo=None, prefix=""):
         table = self._module_table if self._owner is not None else self.module.named_modules()

@@ -16,8 +16,11 @@ import types
 
 import torch
 
-from smp import auto_resume, core, grad_norm
+from smp import auto_resume, grad_norm, process_state
 from smp import mixed_precision, model_state, optimizer_sharding
+from smp.collectives import allgather, api_call
+from smp.groups import CommGroup
+from smp.ranks import pp_size, rank
 
 __all__ = []
 
@@ -35,7 +38,7 @@ def _groups(opt, full):
 def _param_names(opt, full=False):
     """Name of each of the optimizer's parameters, in torch's state_dict order (with
     `full`, a sharded optimizer's every parameter)."""
-    model = core.state.model
+    model = process_state.state.model
     names = {}
     if model is not None:
         # The plain module's names, taken before partitioning replaced remote children.
@@ -50,7 +53,7 @@ def _param_names(opt, full=False):
 
 
 def _local_ids():
-    model = core.state.model
+    model = process_state.state.model
     if model is None or model.pipeline is None:
         return None  # everything is local
     return {id(p) for p in model.local_parameters()}
@@ -86,7 +89,7 @@ def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
         sd["state"] = {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                        for n, s in sd["state"].items()}
     if gather_if_shard and optimizer_sharding.of(self) is not None:
-        shares = core.allgather(sd, core.CommGroup.DP_GROUP)
+        shares = allgather(sd, CommGroup.DP_GROUP)
         full = _param_names(self, full=True)
         sd = _with_scaler(
             {"state": {n: st for share in shares for n, st in share["state"].items()},
@@ -94,7 +97,7 @@ def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
                               for g in _full_groups_by_position(self)]}, sd)
         if local is not None:
             sd = _keep_local(sd, full, _groups(self, full=True), local)
-    sd[model_state.PARTIAL_KEY] = core.pp_size() > 1
+    sd[model_state.PARTIAL_KEY] = pp_size() > 1
     sd[_BY_NAME] = True
     return sd
 
@@ -120,20 +123,20 @@ def _full_groups_by_position(self):
     return groups
 
 
-@core.api_call("optimizer.state_dict()")  # Note [Naming the call] in smp/core.py
+@api_call("optimizer.state_dict()")  # Note [Naming the call] in smp/collectives.py
 def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
     sharded = optimizer_sharding.of(self) is not None
     if _local_ids() is None and not sharded:
         return self._smp_orig_state_dict()
     local = _local_state_dict(self, gather_if_shard=False, cast_to_cpu=cast_to_cpu)
     if sharded:  # every dp rank holds a share (Note [Sharded optimizer state])
-        parts = core.allgather(local, core.CommGroup.WORLD)
+        parts = allgather(local, CommGroup.WORLD)
     elif gather_to_rank0:
         parts = model_state.gather_to_pp0(local)
         if parts is None:
             return {}
     else:
-        parts = core.allgather(local, core.CommGroup.MP_GROUP)
+        parts = allgather(local, CommGroup.MP_GROUP)
     state = {}
     for part in parts:
         state.update(part["state"])
@@ -143,13 +146,13 @@ def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
                          "param_groups": _full_groups_by_position(self)}, local)
 
 
-@core.api_call("optimizer.load_state_dict()")
+@api_call("optimizer.load_state_dict()")
 def _load_state_dict(self, state_dict):
     if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
         raise ValueError("smp: DistributedOptimizer.load_state_dict: not an optimizer state "
                          "dict (no 'param_groups')")
-    model = core.state.model
-    if model is not None and model.pipeline is None and core.pp_size() > 1:
+    model = process_state.state.model
+    if model is not None and model.pipeline is None and pp_size() > 1:
         self._smp_pending_state = state_dict  # loaded after partitioning (SMP v1)
         return None
     sd = dict(state_dict)
@@ -164,14 +167,14 @@ def _load_state_dict(self, state_dict):
     needed = [n for n, p in zip(names, params) if local is None or id(p) in local]
     state = dict(sd["state"])
     if partial or from_shards:  # a sharded optimizer's entries may be on any rank
-        group = (core.CommGroup.WORLD
+        group = (CommGroup.WORLD
                  if from_shards or optimizer_sharding.of(self) is not None else None)
         got, _ = model_state.exchange(state, needed, group)
         state.update(got)
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(self.param_groups):
         raise ValueError(f"smp: optimizer state has {len(saved_groups)} parameter groups, this "
-                         f"optimizer {len(self.param_groups)} (rank {core.rank()})")
+                         f"optimizer {len(self.param_groups)} (rank {rank()})")
     torch_sd = {"state": {}, "param_groups": []}
     i = 0
     needed_set = set(needed)
@@ -208,7 +211,8 @@ def _clip_master_grads(self, max_norm, norm_type=2):
     grad_of = mixed_precision.master_grads(self)
     if grad_of is None:
         return -1
-    return grad_norm.clip_grad_norm_(core.state.model, max_norm, norm_type, grad_of=grad_of)
+    return grad_norm.clip_grad_norm_(process_state.state.model, max_norm, norm_type,
+                                     grad_of=grad_of)
 
 
 def DistributedOptimizer(optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,  # noqa: N802
@@ -249,6 +253,7 @@ def DistributedOptimizer(optimizer, static_loss_scale=1.0, dynamic_loss_scale=Fa
         optimizer.step = types.MethodType(_step, optimizer)
         from smp import join
         join.make_optimizer_joinable(optimizer)  # Join([model, optimizer]) (smp/join.py)
-    core.state.optimizer = optimizer
-    optimizer_sharding.install(core.state.model, optimizer)  # a model already partitioned
+    process_state.state.optimizer = optimizer
+    # A model already partitioned.
+    optimizer_sharding.install(process_state.state.model, optimizer)
     return optimizer

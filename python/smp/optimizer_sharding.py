@@ -52,7 +52,9 @@ import contextlib
 
 import torch
 
-from smp import _C, core
+from smp import _C, ranks
+from smp.groups import get_dp_process_group
+from smp.process_state import state
 
 __all__ = []
 
@@ -65,7 +67,7 @@ def check_hook(hook):
     registers, with the same config)."""
     if enabled():
         name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
-        raise core.ConfigError(
+        raise _C.ConfigError(
             f"smp: register_comm_hook(hook={name}): with optimizer-state sharding (config "
             "'shard_optimizer_state'=true) each gradient is reduced to the one rank that "
             "steps it (a reduce-scatter), and a comm hook reduces whole buckets; allowed "
@@ -162,8 +164,8 @@ class Shard:
                 loss = closure()
         groups = optimizer.param_groups
         saved = [g["params"] for g in groups]
-        exchange = _C.ShareExchange(core.get_dp_process_group(), cap_bytes / 2**20,
-                                    core.state.cfg.timeout_s)
+        exchange = _C.ShareExchange(get_dp_process_group(), cap_bytes / 2**20,
+                                    state.cfg.timeout_s)
         whole_step = getattr(optimizer, "_smp_whole_step", contextlib.nullcontext)
         try:
             with whole_step():  # Note [Steps in rounds]
@@ -193,13 +195,13 @@ class Shard:
 
 
 def enabled():
-    return bool(getattr(core.state.cfg, "shard_optimizer_state", False)) and \
-        core.dp_size() > 1
+    return bool(getattr(state.cfg, "shard_optimizer_state", False)) and \
+        ranks.dp_size() > 1
 
 
 def shards():
     """Over how many ranks each pp rank's optimizer state is divided (1: not sharded)."""
-    return core.dp_size() if enabled() else 1
+    return ranks.dp_size() if enabled() else 1
 
 
 def of(optimizer):
@@ -215,7 +217,7 @@ def divide(model):
     params = model.replica.params()
     tied = model.pipeline.tied if model.pipeline is not None else None
     replicated = [p for p in params if tied is not None and tied.holds(p)]
-    return Shard(params, core.dp_size(), core.dp_rank(), replicated)
+    return Shard(params, ranks.dp_size(), ranks.dp_rank(), replicated)
 
 
 def install(model, optimizer):
@@ -226,7 +228,7 @@ def install(model, optimizer):
     if of(optimizer) is not None:
         return
     if type(optimizer).__name__ in _COUPLED:
-        raise core.ConfigError(
+        raise _C.ConfigError(
             f"smp: config 'shard_optimizer_state'=true cannot shard {type(optimizer).__name__}, "
             "whose step couples every parameter; use an optimizer that updates each "
             "parameter from its own gradient (SGD, Adam, AdamW, ...) or set it to false")
@@ -240,5 +242,5 @@ def step(optimizer, own_step, args, kwargs):
     if shard is None:
         return own_step(*args, **kwargs)
     closure = kwargs.pop("closure", args[0] if args else None)
-    cap = int(getattr(core.state.model, "bucket_cap_mb", 25) * 2**20)
+    cap = int(getattr(state.model, "bucket_cap_mb", 25) * 2**20)
     return shard.step(optimizer, own_step, closure, max(cap, 1))

@@ -38,7 +38,7 @@ import contextlib
 
 import torch
 
-from smp import _C, core, grad_norm, mixed_precision
+from smp import _C, grad_norm, mixed_precision
 
 __all__ = ["FusedLamb", "FusedNovoGrad"]
 
@@ -49,14 +49,14 @@ def _pair(name, betas):
     try:
         beta1, beta2 = (float(b) for b in betas)
     except (TypeError, ValueError):
-        raise core.ConfigError(f"smp: {name} betas={betas!r} is not a pair (beta1, beta2) of "
+        raise _C.ConfigError(f"smp: {name} betas={betas!r} is not a pair (beta1, beta2) of "
                                "numbers in [0, 1)") from None
     return beta1, beta2
 
 
 def _no_amsgrad(name, apex_name, amsgrad):
     if amsgrad:
-        raise core.ConfigError(
+        raise _C.ConfigError(
             f"smp: {name} amsgrad={amsgrad!r} is not supported (apex's {apex_name} refuses "
             "it too); allowed: amsgrad=False")
 
@@ -218,10 +218,10 @@ class FusedLamb(_Fused):
                 bias_correction=bool(group["bias_correction"]),
                 grad_averaging=bool(group["grad_averaging"]), adam_w_mode=self.adam_w_mode,
                 use_nvlamb=self.use_nvlamb, max_grad_norm=float(max_grad_norm))
-        except core.ConfigError:
+        except _C.ConfigError:
             raise
         except (TypeError, ValueError):
-            raise core.ConfigError(
+            raise _C.ConfigError(
                 f"smp: {self._name}: lr={group['lr']!r}, eps={group['eps']!r}, weight_decay="
                 f"{group['weight_decay']!r} and max_grad_norm={max_grad_norm!r} must be "
                 "numbers") from None
@@ -349,7 +349,7 @@ class FusedNovoGrad(_Fused):
         beta1, beta2 = _pair(self._name, group["betas"])
         norm_type = group["norm_type"]
         if norm_type not in (0, 2) or isinstance(norm_type, bool):
-            raise core.ConfigError(f"smp: {self._name} norm_type={norm_type!r} is not one of "
+            raise _C.ConfigError(f"smp: {self._name} norm_type={norm_type!r} is not one of "
                                    "{2 (L2), 0 (infinity)}")
         try:
             return _C.optim.NovoGradOptions(
@@ -359,10 +359,10 @@ class FusedNovoGrad(_Fused):
                 grad_averaging=bool(group["grad_averaging"]),
                 reg_inside_moment=self.reg_inside_moment, norm_type=int(norm_type),
                 init_zero=bool(group["init_zero"]))
-        except core.ConfigError:
+        except _C.ConfigError:
             raise
         except (TypeError, ValueError):
-            raise core.ConfigError(
+            raise _C.ConfigError(
                 f"smp: {self._name}: lr={group['lr']!r}, eps={group['eps']!r} and "
                 f"weight_decay={group['weight_decay']!r} must be numbers") from None
 

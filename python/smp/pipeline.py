@@ -34,8 +34,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from smp import _C, core, groups, log, placement
+from smp import _C, groups, log, placement, process_state
 from smp.nested import TensorSlot, map_leaves, unflatten
+from smp.ranks import pp_rank, pp_size, rank
 from smp.remote_call import (ONE_TENSOR, Call, anchor, decode, encode_outputs, encode_request,
                              rebuild, request_plan)
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
@@ -115,11 +116,12 @@ class Engine:
 
     def __init__(self):
         self._backward_ran = False  # the driver: some microbatch's backward ran this step
-        self.cfg = core.state.cfg
+        self.cfg = process_state.state.cfg
         Engine._created += 1  # every rank creates its engines in the same order
-        pp_ranks = core.state.topology.pp_group(core.rank())
-        self.p2p = _C.P2PEngine(core.state.store, f"smp/p2p/{pp_ranks[0]}/{Engine._created}",
-                                core.pp_rank(), core.pp_size(), self.cfg.timeout_s,
+        pp_ranks = process_state.state.topology.pp_group(rank())
+        self.p2p = _C.P2PEngine(process_state.state.store,
+                                f"smp/p2p/{pp_ranks[0]}/{Engine._created}",
+                                pp_rank(), pp_size(), self.cfg.timeout_s,
                                 os.environ.get("MASTER_ADDR", "127.0.0.1"))
         self._set_payload_transport(pp_ranks)
         self.owned = {}        # module name -> module (served here)
@@ -138,7 +140,7 @@ class Engine:
         # The one source of order: token priorities, receive order, the driver's window
         # and the "simple" barrier all come from the C++ schedule (smp_core/scheduler.h),
         # applied by the C++ dispatcher, which hands this engine the work to run.
-        self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, core.pp_size(),
+        self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, pp_size(),
                                     self.cfg.active_microbatches)
         # Note [Known forward requests] (python/csrc/bind_pipeline.cpp): a request whose
         # metadata this rank served this step already runs without this engine's Python.
@@ -157,7 +159,7 @@ class Engine:
         # it hands what it does not know to `_call_python`, and numbers every call.
         self.calls = _C.Calls(self.dispatch, self, _task, encode_request, decode, rebuild,
                               anchor(), ONE_TENSOR[False], ONE_TENSOR[True],
-                              core.pp_rank() * _CALL_ID_STRIDE)
+                              pp_rank() * _CALL_ID_STRIDE)
         self.call = self.calls
         self.dispatch.record_spans(timeline.enabled)
         self._forwards_first = self.schedule.forwards_before_backwards()
@@ -173,7 +175,7 @@ class Engine:
         cuda = torch.cuda.is_available()
         if mode == "tcp" or (mode == "auto" and not cuda):
             return
-        backend = core.choose_backend("nccl") if cuda and dist.is_nccl_available() else "gloo"
+        backend = groups.choose_backend("nccl") if cuda and dist.is_nccl_available() else "gloo"
         mine = groups.new_groups_within_pp_groups(range(len(pp_ranks)), backend=backend)
         device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
         kind = _C.PayloadTransport.C10D if mode == "c10d" else _C.PayloadTransport.AUTO
@@ -206,7 +208,7 @@ class Engine:
         # stderr as before; a job that sends its logs elsewhere (files, a collector)
         # finds the table there, beside smp's other records. See python/smp/log.py.
         log.get_logger("pipeline").error("smp: step %d failed at %s (rank %d): %s: %s\n%s",
-                                         self.epoch, where, core.rank(), type(exc).__name__,
+                                         self.epoch, where, rank(), type(exc).__name__,
                                          exc, table.rstrip("\n"))
 
     # --- caller side ------------------------------------------------------------------
@@ -274,7 +276,7 @@ class Engine:
         zero_bubble; the cell then says so, for the plan's marking)."""
         if getattr(exc, "_smp_cell", None) is None:
             try:
-                exc._smp_cell = (core.pp_rank(), mb, True) + ((True,) if weight else ())
+                exc._smp_cell = (pp_rank(), mb, True) + ((True,) if weight else ())
             except AttributeError:
                 pass
         self.own_errors.append(exc)  # See Note [One traceback per error]
@@ -286,7 +288,7 @@ class Engine:
         recorded a graph: the dispatcher keeps those and serves the call's backward in
         C++ (Note [Served backward]). Errors propagate: `_handle` answers them."""
         if msg.kind != K.REQUEST:  # its forward kept nothing: it recorded no graph here
-            raise RuntimeError(f"smp: pp rank {core.pp_rank()} got the backward of call "
+            raise RuntimeError(f"smp: pp rank {pp_rank()} got the backward of call "
                                f"{msg.call_id} (microbatch {msg.mb}) from pp rank {msg.src}, "
                                "whose forward recorded no autograd graph here")
         meta = msg.meta
@@ -361,10 +363,10 @@ class Engine:
         # With config 'pipeline_order' "planned", a step that trains executes the plan
         # of the calls the last one made (Note [Executed plan] in smp_core/dispatch.cpp);
         # evaluation runs in the dynamic order.
-        self.dispatch.begin_step(len(mb_inputs) if core.pp_rank() == 0 else self.cfg.microbatches,
+        self.dispatch.begin_step(len(mb_inputs) if pp_rank() == 0 else self.cfg.microbatches,
                                  deterministic=True, rng_cuda=cuda_rng,
                                  planned=self._planned and torch.is_grad_enabled())
-        if core.pp_rank() != 0:
+        if pp_rank() != 0:
             return self._serve_step()
         out = self._drive(fn, mb_inputs)
         self._log_new_plan()
@@ -388,7 +390,7 @@ class Engine:
         text = self.dispatch.plan_text()
         if text != self._plan_logged:
             self._plan_logged = text
-            log.log_plan(text, core.rank())
+            log.log_plan(text, rank())
 
     def abort_step(self, exc):
         """On the driver: this step cannot start (a bad input). Every pp rank, serving
@@ -474,7 +476,7 @@ class Engine:
         if msg.kind == K.ABORT:
             exc, text, origin = remote_exception(msg.meta)
             self.log_failure(exc)
-            mine = self.own_error(exc) if origin == core.rank() else None
+            mine = self.own_error(exc) if origin == rank() else None
             if mine is not None:
                 raise mine  # See Note [One traceback per error]
             raise exc from RemoteTraceback(text)

@@ -21,7 +21,9 @@ parameters, buffers and hooks, on every rank. What changes is where a module run
 import torch
 import torch.distributed as dist
 
-from smp import _C, core, groups
+from smp import _C, groups
+from smp.process_state import state
+from smp.ranks import get_pp_group, pp_size, rank
 
 __all__ = []
 
@@ -211,7 +213,7 @@ def _copies_differ(name, holders, steps):
     """TiedCopiesError's text: what differs between the holders of tied parameter
     `name`, from each holder's count of optimizer steps (-1: not known)."""
     head = f"smp: the copies of tied parameter '{name}' on pp ranks {holders} differ"
-    tail = f" (rank {core.rank()})"
+    tail = f" (rank {rank()})"
     clip = ("torch.nn.utils.clip_grad_norm_ on some of the model's parameters clips each "
             "rank's gradients by that rank's own norm; model.clip_grad_norm_(max_norm) "
             "(or smp.clip_grad_norm_(model, max_norm)) clips by the norm over every "
@@ -275,7 +277,7 @@ class TiedParameters:
         with torch.no_grad():
             for _, t, holders in self.entries:
                 if self.me in holders:
-                    src = core.get_pp_group()[holders[0]]
+                    src = get_pp_group()[holders[0]]
                     dist.broadcast(t.detach(), src=src, group=self._groups[tuple(holders)])
 
     def check_copies(self):
@@ -303,8 +305,8 @@ class TiedParameters:
         local = torch.tensor([next(prints) if self.me in holders else 0
                               for _, _, holders in params] + [_steps.count(mine)],
                              dtype=torch.int64)
-        everyone = [torch.empty_like(local) for _ in range(core.pp_size())]
-        dist.all_gather(everyone, local, group=core.get_pp_process_group())
+        everyone = [torch.empty_like(local) for _ in range(pp_size())]
+        dist.all_gather(everyone, local, group=groups.get_pp_process_group())
         for i, (name, _, holders) in enumerate(params):
             values = {int(everyone[h][i]) for h in holders}
             if len(values) > 1:
@@ -320,7 +322,7 @@ class TiedParameters:
         tensors (a deferred model's are swapped in after the plan is applied)."""
         held = [(name, t, self._groups[tuple(holders)]) for name, t, holders in self.entries
                 if self.me in holders and isinstance(t, torch.nn.Parameter)]
-        self._native = _C.TiedGradients(held, float(core.state.cfg.timeout_s)) if held else None
+        self._native = _C.TiedGradients(held, float(state.cfg.timeout_s)) if held else None
         if self._native is not None:
             self._native.begin_step()
         return self._native

@@ -13,7 +13,7 @@ again (`Engine.own_error`), with its own traceback, rather than the copy that ca
 import pickle
 import traceback
 
-from smp import core
+from smp.ranks import pp_rank, rank
 from smp.task import current as _task
 
 __all__ = []
@@ -34,13 +34,13 @@ def error_payload(exc):
     origin = getattr(exc, "_smp_origin", None)
     if origin is None:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        text = f"(raised on rank {core.rank()}, pp rank {core.pp_rank()})\n" + text
-        origin = core.rank()
+        text = f"(raised on rank {rank()}, pp rank {pp_rank()})\n" + text
+        origin = rank()
     else:
         text = exc._smp_remote_text
     cell = getattr(exc, "_smp_cell", None)
     if cell is None and _task.mb is not None:
-        cell = (core.pp_rank(), _task.mb, bool(_task.backward))
+        cell = (pp_rank(), _task.mb, bool(_task.backward))
     try:
         blob = pickle.dumps(exc)
         pickle.loads(blob)
@@ -67,7 +67,7 @@ def raise_remote(meta, own_error=None):
     when it is the origin), else the copy, caused by a RemoteTraceback of the origin's
     text."""
     exc, text, origin = remote_exception(meta)
-    if origin == core.rank() and own_error is not None:
+    if origin == rank() and own_error is not None:
         mine = own_error(exc)
         if mine is not None:
             raise mine

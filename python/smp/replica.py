@@ -10,7 +10,11 @@ attribute of the other read across files:
   engine and the tied weights, for partitions > 1.
 smp/join.py drives the replica's collectives through this interface.
 """
-from smp import _C, core
+from smp import _C
+from smp.collectives import allgather
+from smp.groups import CommGroup, get_dp_process_group
+from smp.process_state import state
+from smp.ranks import dp_rank, dp_size, get_dp_group, rank
 
 __all__ = []
 
@@ -52,7 +56,7 @@ class Replica:
     def reduces(self):
         """Whether this replica reduces gradients (config 'ddp' and more than one
         replica)."""
-        return core.state.cfg.ddp and core.dp_size() > 1
+        return state.cfg.ddp and dp_size() > 1
 
     def params(self):
         """The parameters the reducer reduces: this rank's that require grad."""
@@ -62,7 +66,7 @@ class Replica:
         """dp rank 0's values of `tensors` on every replica."""
         import torch
         with torch.no_grad():
-            _C.broadcast_coalesced(core.get_dp_process_group(), list(tensors), 0)
+            _C.broadcast_coalesced(get_dp_process_group(), list(tensors), 0)
 
     def broadcast_state(self):
         """The first step: every replica starts from dp rank 0's parameters and buffers."""
@@ -112,12 +116,12 @@ class Replica:
         used = list(self._first_use_order or [])
         rest = [i for i in range(len(params)) if i not in set(used)]
         expected = list(reversed(used + rest))
-        expected = core.allgather(expected, core.CommGroup.DP_GROUP)[0]  # dp rank 0 decides
+        expected = allgather(expected, CommGroup.DP_GROUP)[0]  # dp rank 0 decides
         self.reducer = _C.Reducer(
-            params, core.get_dp_process_group(), bucket_cap_mb=self._bucket_cap_mb,
+            params, get_dp_process_group(), bucket_cap_mb=self._bucket_cap_mb,
             gradient_as_bucket_view=self._gradient_as_bucket_view,
             overlapping=self._overlapping, expected_order=expected,
-            timeout_s=core.state.cfg.timeout_s,
+            timeout_s=state.cfg.timeout_s,
             owners=self.shard.grad_owners() if self.shard is not None else [])
         if self.comm_hook is not None:
             from smp.ddp_comm_hooks import _install
@@ -125,8 +129,8 @@ class Replica:
         from smp import auto_resume
         auto_resume.adopt_layout(self.reducer)  # a resumed job's buckets, if any
         # Note [Failed peer]: a replica that fails a step with no reduction posts it.
-        dp_peers = [r for r in core.get_dp_group() if r != core.rank()]
-        self.reducer.watch_peer_failures(core.state.store, FAILED_PEER_PREFIX, dp_peers)
+        dp_peers = [r for r in get_dp_group() if r != rank()]
+        self.reducer.watch_peer_failures(state.store, FAILED_PEER_PREFIX, dp_peers)
         return self.reducer
 
     def fail_step(self, sync_step, error, armed):
@@ -154,8 +158,8 @@ class Replica:
         what = str(error).splitlines()[0] if error is not None else "an error"
         try:
             _C.post_step_failure(
-                core.state.store, FAILED_PEER_PREFIX, core.rank(), step,
-                f"dp rank {core.dp_rank()} (rank {core.rank()}) failed a step that does not "
+                state.store, FAILED_PEER_PREFIX, rank(), step,
+                f"dp rank {dp_rank()} (rank {rank()}) failed a step that does not "
                 f"reduce and will not reach reduction {step} ({type(error).__name__}: {what})")
         except Exception:  # the store is gone: the peers' own wait says more
             pass

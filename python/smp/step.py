@@ -11,8 +11,11 @@ import inspect
 
 import torch
 
-from smp import auto_resume, core
+from smp import auto_resume, ranks
+from smp._C import ConfigError
+from smp.collectives import STEP_CALL, api_call
 from smp.nested import same_sequence
+from smp.process_state import require_init, state
 
 __all__ = []
 
@@ -58,11 +61,11 @@ def _split_tensor(t, num_mb, axis, where):
                          f"out of range (set input_split_axes)")
     size = t.size(axis)
     if size == 0:
-        raise core.ConfigError(f"smp.step: input {where} has size 0 along axis {axis} "
+        raise ConfigError(f"smp.step: input {where} has size 0 along axis {axis} "
                                f"(shape {list(t.shape)}); a batch must hold at least "
                                f"microbatches={num_mb} samples")
     if size < num_mb:
-        raise core.ConfigError(f"smp.step: input {where} has batch size {size} along axis "
+        raise ConfigError(f"smp.step: input {where} has batch size {size} along axis "
                                f"{axis}, smaller than microbatches={num_mb} (allowed: a "
                                f"multiple of {num_mb})")
     if size % num_mb != 0:
@@ -150,27 +153,27 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        core.require_init()
-        model = core.state.model
+        require_init()
+        model = state.model
         if model is None:
             raise RuntimeError("smp.step: no smp.DistributedModel exists; wrap the model "
                                "before calling a step function")
         skip, outputs = auto_resume.before_step()
         if skip:
             return outputs  # fast-forwarded (Note [Automatic resume])
-        num_mb = core.state.cfg.microbatches
+        num_mb = state.cfg.microbatches
         try:
             mb_inputs = split_arguments(sig, args, kwargs, num_mb, non_split_inputs,
                                         input_split_axes)
             input_error = None
         except ValueError as exc:
-            if core.size() == 1:
+            if ranks.size() == 1:
                 raise
             # Raised on every rank that shares the step, not only here (a pp rank other
             # than the driver does not use its inputs: it serves the driver's step).
             mb_inputs, input_error = None, exc
         # Names the first step's agreement collectives in errors (Note [Naming the call]).
-        with core.api_call(core.STEP_CALL):
+        with api_call(STEP_CALL):
             per_mb = model._run_step(fn, mb_inputs, input_error)
         auto_resume.after_step(per_mb)
         return collect_outputs(per_mb, detach_outputs)

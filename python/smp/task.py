@@ -1,6 +1,6 @@
 """The per-thread task context of the pipeline: which microbatch the calling thread
-works on and whether it runs backward work. Its own module so that core, step and pipeline can all read it
-without importing each other."""
+works on and whether it runs backward work. Its own module so that process_state,
+remote_errors and pipeline can all read it without importing each other."""
 import threading
 
 __all__ = []

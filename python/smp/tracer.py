@@ -6,8 +6,9 @@ import time
 
 import torch
 
-from smp import _C, core, nested
+from smp import _C, nested
 from smp.partitioning import manual_partition_of
+from smp.process_state import state
 
 __all__ = []
 
@@ -92,8 +93,8 @@ class Trace:
         if self._stack:  # a call that raised never popped its entry
             name, module, _ = self.table[self._stack[-1][0]]
             parts.append(f"in module '{name or '<root>'}' ({type(module).__name__})")
-        skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                     for m in (torch, core) if getattr(m, "__file__", None))
+        skip = tuple(os.path.dirname(os.path.abspath(f)) + os.sep  # torch's, smp's
+                     for f in (getattr(torch, "__file__", None), __file__) if f)
         user = [f for f in traceback.extract_tb(exc.__traceback__)
                 if not os.path.abspath(f.filename).startswith(skip)]
         if user:
@@ -128,7 +129,7 @@ def to_module_nodes(records):
 
 def make_plan(records):
     """Runs the C++ partitioner on the trace with the config's options."""
-    cfg = core.state.cfg
+    cfg = state.cfg
     opts = _C.partition.Options()
     opts.partitions = cfg.partitions
     opts.memory_weight = cfg.memory_weight
@@ -138,7 +139,7 @@ def make_plan(records):
         # the microbatches in flight.
         from smp import memory_estimate, optimizer_sharding
         opts.param_memory_factor = memory_estimate.param_memory_factor(
-            core.state.optimizer, optimizer_sharding.shards())
+            state.optimizer, optimizer_sharding.shards())
         opts.activation_memory_factor = float(min(cfg.active_microbatches, cfg.microbatches))
     opts.auto_partition = cfg.auto_partition
     opts.default_partition = cfg.default_partition

@@ -11,8 +11,8 @@ from smp.task import current as task
 
 @pytest.fixture(autouse=True)
 def rank_two(monkeypatch):
-    monkeypatch.setattr(remote_errors.core, "rank", lambda: 2)
-    monkeypatch.setattr(remote_errors.core, "pp_rank", lambda: 1)
+    monkeypatch.setattr(remote_errors, "rank", lambda: 2)
+    monkeypatch.setattr(remote_errors, "pp_rank", lambda: 1)
 
 
 def raised(exc):

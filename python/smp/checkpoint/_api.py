@@ -3,10 +3,12 @@ file and a partial save; writing is `_commit.py`'s, reading `_read.py`'s."""
 import os
 import pickle
 
-from smp import core
-from smp.model_state import SHARDS_KEY
+from smp import ranks
 from smp.checkpoint import _commit, _hook_state, _read, _torch_load
 from smp.checkpoint._common import CheckpointError, check_bool, check_path, topology
+from smp.collectives import api_call
+from smp.model_state import SHARDS_KEY
+from smp.process_state import is_initialized
 
 __all__ = []
 
@@ -21,7 +23,7 @@ def _missing_directory(fn, path):
             "or pass a file name in an existing directory")
 
 
-@core.api_call("smp.save()")  # Note [Naming the call] in smp/core.py
+@api_call("smp.save()")  # Note [Naming the call] in smp/collectives.py
 def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False, **kwargs):
     """Saves `obj` atomically to `f` (full) or `f"{f}_{pp_rank}"` (partial).
 
@@ -64,7 +66,7 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
     _commit.write_part(obj, path, missing, pickle_module, pickle_protocol)
 
 
-@core.api_call("smp.load()")
+@api_call("smp.load()")
 def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=False, *,
          weights_only=None, **pickle_load_args):
     """Loads what smp.save wrote, after verifying every byte of what it reads.
@@ -106,7 +108,7 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
     if _read.has_shards(path):
         # smp.save(..., v3=True)'s shards: each rank reads its round of them, and the
         # entries they hold are merged (state by name: an optimizer's shares).
-        rank = core.rank() if core.is_initialized() else 0
+        rank = ranks.rank() if is_initialized() else 0
         objs = _read.read_shards(path, rank, world, map_location, pickle_module,
                                  weights_only, pickle_load_args)
         return _hook_state.rebind(_merge_shards(objs))

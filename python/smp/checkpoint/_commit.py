@@ -13,9 +13,12 @@ import time
 
 import torch
 
-from smp import _C, core
+from smp import _C, ranks
 from smp.checkpoint._common import CheckpointError, agree, topology
 from smp.checkpoint._crash import crash_point
+from smp.collectives import allgather
+from smp.groups import CommGroup
+from smp.process_state import is_initialized, state
 
 __all__ = []
 
@@ -26,7 +29,7 @@ def manifest(partial, part, parts, save_id, save_time_ns):
     m.save_id, m.save_time_ns = save_id, save_time_ns
     m.partial, m.part, m.parts = partial, part, parts
     m.world_size, m.pp_size, m.dp_size = world, pp, dp
-    model = core.state.model if core.is_initialized() else None
+    model = state.model if is_initialized() else None
     m.plan_hash = getattr(model, "_plan_hash", 0) or 0
     m.torch_version = torch.__version__
     return m
@@ -73,7 +76,7 @@ def write_shard(obj, path, missing, pickle_module, pickle_protocol):
     rank writes its own, e.g. its share of a sharded optimizer's state); collective over
     the world, with the same two phases as write_part."""
     pp_rank, _, dp_rank, _, world = topology()
-    rank = core.rank() if core.is_initialized() else 0
+    rank = ranks.rank() if is_initialized() else 0
     _two_phases(obj, f"{path}_{pp_rank}_{dp_rank}", rank, world, f"rank {rank}", True,
                 missing, pickle_module, pickle_protocol)
 
@@ -84,8 +87,8 @@ def _two_phases(obj, final, part, parts, who, world, missing, pickle_module, pic
     renamed, and the group agrees that every rename succeeded."""
     save_id, t_ns = (random.getrandbits(63), time.time_ns())
     if parts > 1:
-        group = core.CommGroup.WORLD if world else core.CommGroup.PP_GROUP
-        save_id, t_ns = core.allgather((save_id, t_ns), group)[0]
+        group = CommGroup.WORLD if world else CommGroup.PP_GROUP
+        save_id, t_ns = allgather((save_id, t_ns), group)[0]
     tmp, err = None, missing
     try:
         if err is None:

@@ -2,8 +2,10 @@
 rank sits, and the pp group's agreement on an error."""
 import os
 
-from smp import _C, agreement, core
+from smp import _C, agreement, ranks
+from smp.groups import CommGroup
 from smp.model_state import PARTIAL_KEY  # noqa: F401  (merged as "any part" by _parts)
+from smp.process_state import is_initialized
 
 __all__ = []
 
@@ -24,8 +26,8 @@ def check_bool(fn, name, value):
 
 def topology():
     """(pp rank, pp size, dp rank, dp size, world size); a world of one before smp.init."""
-    if core.is_initialized():
-        return core.pp_rank(), core.pp_size(), core.dp_rank(), core.dp_size(), core.size()
+    if is_initialized():
+        return ranks.pp_rank(), ranks.pp_size(), ranks.dp_rank(), ranks.dp_size(), ranks.size()
     return 0, 1, 0, 1, 1
 
 
@@ -45,9 +47,9 @@ def agree(error, what, world=False):
         if len(same) < size:
             msg = f"{msg} ({label}{'s' if len(same) > 1 else ''} {', '.join(map(str, same))})"
         return CheckpointError(msg)
-    if world and not core.is_initialized():
+    if world and not is_initialized():
         if error is not None:
             raise CheckpointError(error)
         return
     agreement.agree(None if error is None else CheckpointError(error),
-                    core.CommGroup.WORLD if world else core.CommGroup.PP_GROUP, verdict)
+                    CommGroup.WORLD if world else CommGroup.PP_GROUP, verdict)

@@ -7,7 +7,8 @@ file: states drop it (`__getstate__`) or, when they do not, a copy with
 """
 import copy
 
-from smp import core
+from smp.groups import get_dp_process_group
+from smp.process_state import is_initialized
 
 __all__ = []
 
@@ -28,11 +29,11 @@ def strip(obj):
 
 def rebind(obj):
     """`obj` as loaded: its "comm_hook_state" on smp's dp group again."""
-    if isinstance(obj, dict) and "comm_hook_state" in obj and core.is_initialized():
+    if isinstance(obj, dict) and "comm_hook_state" in obj and is_initialized():
         state = obj["comm_hook_state"]
         if hasattr(state, "process_group") and state.process_group is None:
             try:
-                state.process_group = core.get_dp_process_group()
+                state.process_group = get_dp_process_group()
             except AttributeError:
                 pass
     return obj

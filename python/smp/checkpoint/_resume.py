@@ -3,10 +3,13 @@ smp.save files (model, optimizer, user content) and a `newest` file naming the t
 import os
 import shutil
 
-from smp import _C, auto_resume, core, log, optimizer_sharding
+from smp import _C, auto_resume, log, optimizer_sharding
 from smp.checkpoint import _read
 from smp.checkpoint._api import load, save
 from smp.checkpoint._common import CheckpointError, check_bool, check_path
+from smp.collectives import api_call, barrier
+from smp.process_state import is_initialized, state
+from smp.ranks import rank
 
 __all__ = []
 
@@ -17,7 +20,7 @@ def _partial_dir(path, tag):
     return os.path.join(path, f"{tag}_partial")
 
 
-@core.api_call("smp.save_checkpoint()")
+@api_call("smp.save_checkpoint()")
 def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_content=None,
                     translate_if_full=True, num_kept_partial_checkpoints=None):
     """Saves model, optimizer and user content under `path` (SMP 1.10).
@@ -44,15 +47,15 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
                          f"{num_kept_partial_checkpoints!r} is not None or an integer >= 1")
     if auto_resume.skip_save(path, tag):
         return  # a save the fast-forward replays (Note [Automatic resume])
-    model = model if model is not None else core.state.model
-    optimizer = optimizer if optimizer is not None else core.state.optimizer
-    if core.is_initialized() and core.rank() == 0:
+    model = model if model is not None else state.model
+    optimizer = optimizer if optimizer is not None else state.optimizer
+    if is_initialized() and rank() == 0:
         os.makedirs(path, exist_ok=True)
     if partial:
         d = _partial_dir(path, tag)
-        if core.is_initialized() and core.rank() == 0:
+        if is_initialized() and rank() == 0:
             os.makedirs(d, exist_ok=True)
-        core.barrier() if core.is_initialized() else None
+        barrier() if is_initialized() else None
         if model is not None:
             save(model.local_state_dict(), os.path.join(d, "model"), partial=True)
         if optimizer is not None:
@@ -66,18 +69,18 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
         save({"user_content": user_content, "tag": tag}, os.path.join(d, "user_content"),
              partial=True)
         auto_resume.save_progress(path, tag, partial=True)
-        if core.is_initialized():
-            core.barrier()
-        if not core.is_initialized() or core.rank() == 0:
+        if is_initialized():
+            barrier()
+        if not is_initialized() or rank() == 0:
             _C.checkpoint_write_file_atomic(os.path.join(path, _NEWEST), tag.encode())
             if num_kept_partial_checkpoints is not None:
                 _prune(path, num_kept_partial_checkpoints)
-        if core.is_initialized():
-            core.barrier()
+        if is_initialized():
+            barrier()
         return
     sd = model.state_dict(gather_to_rank0=True) if model is not None else None
     osd = optimizer.state_dict(gather_to_rank0=True) if optimizer is not None else None
-    if not core.is_initialized() or core.rank() == 0:
+    if not is_initialized() or rank() == 0:
         if sd is not None:
             save(sd, os.path.join(path, tag), partial=False)
         if osd is not None:
@@ -85,15 +88,15 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
         save({"user_content": user_content, "tag": tag},
              os.path.join(path, f"user_content_{tag}"), partial=False)
     auto_resume.save_progress(path, tag, partial=False)
-    if core.is_initialized():
-        core.barrier()
+    if is_initialized():
+        barrier()
     # The job's checkpoint directory names its newest full save too, after every part
     # is written (Note [Automatic resume]); elsewhere full saves keep SMP's layout.
     if auto_resume.is_job_dir(path):
-        if not core.is_initialized() or core.rank() == 0:
+        if not is_initialized() or rank() == 0:
             _C.checkpoint_write_file_atomic(os.path.join(path, _NEWEST), tag.encode())
-        if core.is_initialized():
-            core.barrier()
+        if is_initialized():
+            barrier()
 
 
 def _prune(path, keep):
@@ -106,7 +109,7 @@ def _prune(path, keep):
         shutil.rmtree(full, ignore_errors=True)
 
 
-@core.api_call("smp.resume_from_checkpoint()")
+@api_call("smp.resume_from_checkpoint()")
 def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optimizer=True,
                            load_sharded_optimizer_state=True, translate_function=None):
     """Loads what save_checkpoint wrote (SMP 1.10); returns the user content.
@@ -129,7 +132,7 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
                                   "tag was given")
         with open(newest) as fh:
             tag = fh.read().strip()
-    model, optimizer = core.state.model, core.state.optimizer
+    model, optimizer = state.model, state.optimizer
     if partial:
         d = _partial_dir(path, tag)
         if not os.path.isdir(d):

@@ -16,6 +16,11 @@ was fine names the failing rank).
 """
 import torch.distributed as dist
 
+from smp import agreement
+from smp._C import ConfigError
+from smp.groups import CommGroup, get_dp_process_group
+from smp.ranks import get_dp_group
+
 __all__ = []
 
 
@@ -72,20 +77,18 @@ def resolve_hook_state(state):
             other than its dp group: its own message, or that of the lowest failing
             rank with "(rank R)".
     """
-    from smp import agreement, core
-    dp_pg = core.get_dp_process_group()
-    dp_ranks = sorted(core.get_dp_group())
+    dp_pg = get_dp_process_group()
+    dp_ranks = sorted(get_dp_group())
     error = None
     try:
         state = _resolve(state, dp_pg, dp_ranks)
     except ValueError as e:
-        error = core.ConfigError(str(e))
-    agreement.agree(error, core.CommGroup.WORLD, _verdict, own_first=True)
+        error = ConfigError(str(e))
+    agreement.agree(error, CommGroup.WORLD, _verdict, own_first=True)
     return state
 
 
 def _verdict(failures, size):
     """A rank whose own state was fine names the lowest failing rank."""
-    from smp import core
     rank, _, text = failures[0]
-    return core.ConfigError(f"{text} (rank {rank})")
+    return ConfigError(f"{text} (rank {rank})")

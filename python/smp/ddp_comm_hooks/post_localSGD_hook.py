@@ -13,9 +13,12 @@ import os
 
 import torch.distributed as dist
 
+from smp import process_state
+from smp._C import ConfigError
 from smp.ddp_comm_hooks._builtin import run
 from smp.ddp_comm_hooks.debugging_hooks import noop_hook
 from smp.ddp_comm_hooks.default_hooks import allreduce_hook
+from smp.ranks import local_size, size
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
@@ -23,11 +26,10 @@ __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 def _node_subgroup(process_group):
     """This rank's subgroup of the ranks of `process_group` (None: smp's dp group, or
     the world without smp) on its node. Every rank of the world must call it."""
-    from smp import core
-    if core.is_initialized():
-        local = core.local_size()
-        topo = core.state.topology
-        groups = {tuple(sorted(topo.dp_group(r))) for r in range(core.size())}
+    if process_state.is_initialized():
+        local = local_size()
+        topo = process_state.state.topology
+        groups = {tuple(sorted(topo.dp_group(r))) for r in range(size())}
         if process_group is not None and sorted(dist.get_process_group_ranks(
                 process_group)) not in [list(g) for g in groups]:
             groups = {tuple(sorted(dist.get_process_group_ranks(process_group)))}
@@ -74,9 +76,8 @@ class PostLocalSGDState:
                  post_local_gradient_allreduce=True):
         if isinstance(start_localSGD_iter, bool) or not isinstance(start_localSGD_iter, int) \
                 or start_localSGD_iter < 0:
-            from smp import core
-            raise core.ConfigError(f"smp: PostLocalSGDState start_localSGD_iter="
-                                   f"{start_localSGD_iter!r} must be an int >= 0")
+            raise ConfigError(f"smp: PostLocalSGDState start_localSGD_iter="
+                              f"{start_localSGD_iter!r} must be an int >= 0")
         self.process_group = process_group
         self.subgroup = subgroup if subgroup is not None else _node_subgroup(process_group)
         self.start_localSGD_iter = start_localSGD_iter

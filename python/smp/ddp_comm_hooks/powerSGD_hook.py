@@ -16,6 +16,8 @@ import torch
 
 from smp import _C
 from smp.ddp_comm_hooks._builtin import run
+from smp.groups import get_dp_process_group
+from smp.process_state import is_initialized
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"]
 
@@ -48,8 +50,7 @@ _TENSORS = ("error_dict", "p_memory_dict", "q_memory_dict")
 
 
 def _config_error(msg):
-    from smp import core
-    return core.ConfigError(msg)
+    return _C.ConfigError(msg)
 
 
 def _check_int(name, value):
@@ -60,8 +61,7 @@ def _check_int(name, value):
 
 
 def _dp_group_or_none():
-    from smp import core
-    return core.get_dp_process_group() if core.is_initialized() else None
+    return get_dp_process_group() if is_initialized() else None
 
 
 class PowerSGDState:

@@ -39,11 +39,11 @@ docs say so.
 import os
 import pickle
 import random
+import sys
 
 import torch
 
-from smp import _C, log
-from smp import process_state as core_state
+from smp import _C, log, process_state
 
 __all__ = []
 
@@ -69,7 +69,7 @@ _s = _State()
 
 def checkpoint_dir():
     """The job's checkpoint directory: config 'checkpoint_dir', else SMP_CHECKPOINT_DIR."""
-    cfg = core_state.state.cfg
+    cfg = process_state.state.cfg
     configured = getattr(cfg, "checkpoint_dir", "") if cfg is not None else ""
     return configured or os.environ.get("SMP_CHECKPOINT_DIR", "")
 
@@ -92,7 +92,6 @@ def _random_states():
 
 
 def _numpy():
-    import sys
     return sys.modules.get("numpy")  # only when the script uses it
 
 
@@ -175,9 +174,9 @@ def save_progress(ckpt_dir, tag, partial):
     save's commit: Note [Automatic resume])."""
     record = {"step_calls": _s.step_calls, "opt_steps": _s.opt_steps, "tag": tag,
               "rng": _random_states(), "template": _s.template, "num_mb": _s.num_mb,
-              "comm_hook_state": _hook_state_of(core_state.state.model),
-              "bucket_layout": _bucket_layout(core_state.state.model)}
-    rank = core_state.state.rank if core_state.state.initialized else 0
+              "comm_hook_state": _hook_state_of(process_state.state.model),
+              "bucket_layout": _bucket_layout(process_state.state.model)}
+    rank = process_state.state.rank if process_state.state.initialized else 0
     _C.checkpoint_write_file_atomic(progress_path(ckpt_dir, tag, partial, rank),
                                     pickle.dumps(record, protocol=4))
 
@@ -210,7 +209,7 @@ def arm():
     with open(newest) as fh:
         tag = fh.read().strip()
     partial = os.path.isdir(os.path.join(ckpt, f"{tag}_partial"))
-    rank = core_state.state.rank
+    rank = process_state.state.rank
     path = progress_path(ckpt, tag, partial, rank)
     if not os.path.exists(path):
         log.get_logger().warning(
@@ -236,13 +235,19 @@ def arm():
             os.environ.get("SMP_RESTART_COUNT", "0"), _s.skip_steps, _s.skip_opt)
 
 
-def _load_pending():
-    """At the first step call: the model and optimizer exist, and the script has
-    registered its comm hook (before its first step, as it must)."""
+def take_pending():
+    """At every smp.step call, before before_step(): the checkpoint to load now, as
+    {"dir", "tag", "partial"} (once, at the first step call: the model and optimizer
+    exist, and the script has registered its comm hook, before its first step as it
+    must), else None. smp/step.py loads it with resume_from_checkpoint, then calls
+    restore_hook_state(); this module stays below the checkpoint package."""
     p, _s.pending = _s.pending, None
-    from smp.checkpoint import resume_from_checkpoint
-    resume_from_checkpoint(p["dir"], tag=p["tag"], partial=p["partial"])
-    _restore_hook_state(core_state.state.model, _s.target.get("comm_hook_state"))
+    return p
+
+
+def restore_hook_state():
+    """After take_pending()'s checkpoint is loaded: the registered comm hook's state."""
+    _restore_hook_state(process_state.state.model, _s.target.get("comm_hook_state"))
 
 
 def _finish():
@@ -259,18 +264,16 @@ def _finish():
 
 
 def before_step():
-    """At every smp.step call: (False, None) to compute the step, or (True, outputs) for
-    a step the fast-forward skips."""
-    if _s.pending is not None:
-        _load_pending()
+    """At every smp.step call, after take_pending(): (False, None) to compute the step,
+    or (True, per-microbatch outputs) for a step the fast-forward skips (None when the
+    recorded step returned nothing), which the step collects as its own."""
     if _s.target is None:
         return False, None
     if _s.skip_steps > 0:
         _s.skip_steps -= 1
         if _s.template is None:
             return True, None
-        from smp.step import collect_outputs
-        return True, collect_outputs([_placeholder(_s.template) for _ in range(_s.num_mb)], True)
+        return True, [_placeholder(_s.template) for _ in range(_s.num_mb)]
     if _s.skip_opt == 0:
         _finish()  # the script's loop did not pass the save that wrote the checkpoint
     return False, None

@@ -13,6 +13,7 @@ import torch
 
 from smp import auto_resume, ranks
 from smp._C import ConfigError
+from smp.checkpoint import resume_from_checkpoint
 from smp.collectives import STEP_CALL, api_call
 from smp.nested import same_sequence
 from smp.process_state import require_init, state
@@ -158,9 +159,14 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
         if model is None:
             raise RuntimeError("smp.step: no smp.DistributedModel exists; wrap the model "
                                "before calling a step function")
-        skip, outputs = auto_resume.before_step()
-        if skip:
-            return outputs  # fast-forwarded (Note [Automatic resume])
+        pending = auto_resume.take_pending()  # Note [Automatic resume]
+        if pending is not None:
+            resume_from_checkpoint(pending["dir"], tag=pending["tag"],
+                                   partial=pending["partial"])
+            auto_resume.restore_hook_state()
+        skip, skipped = auto_resume.before_step()
+        if skip:  # fast-forwarded (Note [Automatic resume])
+            return None if skipped is None else collect_outputs(skipped, True)
         num_mb = state.cfg.microbatches
         try:
             mb_inputs = split_arguments(sig, args, kwargs, num_mb, non_split_inputs,

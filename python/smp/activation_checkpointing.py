@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from smp import placement
 from smp.process_state import is_tracing, state
 
 __all__ = ["set_activation_checkpointing"]
@@ -219,7 +220,6 @@ class _SequentialForward:
         self.module, self.cfg = module, cfg
 
     def __call__(self, x):
-        from smp import placement
         steps = placement.sequential_steps(self.module)
         if not _active():
             return _chain([step for _, step in steps], x)
@@ -252,7 +252,6 @@ def _place(module):
     """What partitioning changed for a checkpointed Sequential whose forward runs on
     another rank: the runs of its children this rank serves (Note [Sequential segments])
     are checkpointed here with its strategy, and so is each lone child served here."""
-    from smp import placement
     cfg = _configs[module]
     if not isinstance(module, nn.Sequential):
         return

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from smp import _C
+from smp import _C, optimizer_sharding
 from smp.collectives import STEP_CALL, api_call
 from smp.groups import get_dp_process_group
 from smp.process_state import is_initialized
@@ -141,7 +141,6 @@ class Join:
                                      f"'{attr}' (a Joinable calls Joinable.__init__ and "
                                      "implements join_hook, join_device, join_process_group)")
         if enable:
-            from smp import optimizer_sharding
             if optimizer_sharding.enabled():
                 # A joined rank would miss the broadcasts of its shard's parameters.
                 raise _C.ConfigError(

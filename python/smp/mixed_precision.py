@@ -37,6 +37,7 @@ import torch
 
 from smp import _C, process_state
 from smp.groups import get_pp_process_group, get_world_process_group
+from smp.nested import map_leaves
 from smp.ranks import pp_size
 
 __all__ = ["model_creation"]
@@ -119,7 +120,6 @@ def cast_inputs(args, kwargs):
     dtype = model_dtype()
     if dtype is None:
         return args, kwargs
-    from smp.nested import map_leaves
     return map_leaves((args, kwargs), lambda t: t.to(dtype),
                       lambda x: isinstance(x, torch.Tensor) and x.is_floating_point()
                       and x.dtype != dtype)

@@ -15,11 +15,11 @@ import contextlib
 
 import torch
 
-from smp import process_state
-from smp import activation_checkpointing, agreement, deferred_init, grad_guard
-from smp import mixed_precision, optimizer_sharding
+from smp import activation_checkpointing, agreement, deferred_init, grad_guard, grad_norm
+from smp import mixed_precision, optimizer_sharding, process_state
 from smp import join as _join
 from smp._C import ConfigError
+from smp.ddp_comm_hooks._groups import resolve_hook_state
 from smp.groups import get_dp_process_group
 from smp.model_pipeline import PipelinePart
 from smp.model_state import COMPILED, ModelStateMixin, canonical_key
@@ -168,7 +168,6 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         if not self._deferred:  # (a deferred model's parameters change tensors first)
             self._guard_gradients()
         process_state.state.model = self
-        from smp import grad_norm
         grad_norm.redirect_torch_clip()  # Note [torch's clip on the whole model]
 
     def _guard_gradients(self):
@@ -460,7 +459,6 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         if not callable(hook):
             raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
         optimizer_sharding.check_hook(hook)
-        from smp.ddp_comm_hooks._groups import resolve_hook_state
         replica.comm_hook = (resolve_hook_state(state), hook)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -469,7 +467,6 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         Call it on every rank after the step, before the optimizer. Returns the norm,
         the same on every rank. See smp/grad_norm.py.
         """
-        from smp import grad_norm
         return grad_norm.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def cpu(self):

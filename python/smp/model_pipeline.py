@@ -10,7 +10,8 @@ import contextlib
 
 import torch
 
-from smp import agreement, deferred_init, log, mixed_precision, remote_errors, tracer
+from smp import agreement, deferred_init, grad_guard, log, mixed_precision, pipeline
+from smp import placement, remote_errors, tracer
 from smp.collectives import allgather
 from smp.groups import CommGroup
 from smp.nested import map_leaves
@@ -83,7 +84,6 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
 def _backward_refused():
     """loss.backward() in the traced step raises smp's error, not autograd's (the trace
     runs under no_grad, where autograd says only that nothing requires grad)."""
-    from smp import grad_guard
     saved = torch.Tensor.backward, torch.autograd.backward
     torch.Tensor.backward = torch.autograd.backward = grad_guard.backward_in_trace
     try:
@@ -119,7 +119,6 @@ class PipelinePart:
         routes every module owned elsewhere and starts the engine (collective over the
         world; every rank or none raises). `deferred`: the model's tensors are meta
         tensors; each rank materializes what it keeps (smp/deferred_init.py)."""
-        from smp import pipeline, placement
         records = trace(module, fn, mb_inputs, execution_times, memory_usage, stepping,
                         deferred)
         nodes, plan = tracer.make_plan(records)
@@ -187,6 +186,5 @@ class PipelinePart:
     def shutdown(self):
         """smp.shutdown(): stops the pipeline's threads and gives the module back its
         own classes (Note [Routing by class])."""
-        from smp import placement
         self.engine.shutdown()
         placement.restore_classes(self.module_table)

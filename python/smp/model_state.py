@@ -11,6 +11,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from smp import agreement
 from smp.collectives import agree_call, allgather, api_call
 from smp.groups import CommGroup, get_pp_process_group
 from smp.process_state import is_initialized, state
@@ -160,7 +161,6 @@ class ModelStateMixin:
             error = RuntimeError(f"smp: load_state_dict: tensors whose shape differs from "
                                  f"the model's: {', '.join(bad)}")
         if partial and is_initialized() and pp_size() > 1:
-            from smp import agreement
             agreement.agree(error, CommGroup.PP_GROUP,
                             agreement.first_error("model.load_state_dict()"))
         elif error is not None:

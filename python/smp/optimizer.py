@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from smp import auto_resume, grad_norm, process_state
+from smp import auto_resume, grad_norm, join, process_state
 from smp import mixed_precision, model_state, optimizer_sharding
 from smp.collectives import allgather, api_call
 from smp.groups import CommGroup
@@ -251,7 +251,6 @@ def DistributedOptimizer(optimizer, static_loss_scale=1.0, dynamic_loss_scale=Fa
         optimizer.local_state_dict = types.MethodType(_local_state_dict, optimizer)
         optimizer._smp_orig_step = optimizer.step
         optimizer.step = types.MethodType(_step, optimizer)
-        from smp import join
         join.make_optimizer_joinable(optimizer)  # Join([model, optimizer]) (smp/join.py)
     process_state.state.optimizer = optimizer
     # A model already partitioned.

@@ -2,6 +2,8 @@
 `smp.init` (smp/runtime.py) and reset by `smp.shutdown`, and the check that it is set."""
 from types import SimpleNamespace
 
+from smp.task import current as _task
+
 __all__ = []
 
 
@@ -29,8 +31,7 @@ class _State:
 
     def microbatch_of_task(self):
         """The microbatch the calling thread works on (pipeline tasks), else the step's."""
-        from smp.task import current
-        return current.mb if current.mb is not None else self.microbatch
+        return _task.mb if _task.mb is not None else self.microbatch
 
 
 state = _State()

@@ -10,8 +10,9 @@ attribute of the other read across files:
   engine and the tied weights, for partitions > 1.
 smp/join.py drives the replica's collectives through this interface.
 """
-from smp import _C
+from smp import _C, auto_resume
 from smp.collectives import allgather
+from smp.ddp_comm_hooks import _install
 from smp.groups import CommGroup, get_dp_process_group
 from smp.process_state import state
 from smp.ranks import dp_rank, dp_size, get_dp_group, rank
@@ -124,9 +125,7 @@ class Replica:
             timeout_s=state.cfg.timeout_s,
             owners=self.shard.grad_owners() if self.shard is not None else [])
         if self.comm_hook is not None:
-            from smp.ddp_comm_hooks import _install
             _install(self.reducer, *self.comm_hook)
-        from smp import auto_resume
         auto_resume.adopt_layout(self.reducer)  # a resumed job's buckets, if any
         # Note [Failed peer]: a replica that fails a step with no reduction posts it.
         dp_peers = [r for r in get_dp_group() if r != rank()]

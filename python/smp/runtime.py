@@ -11,12 +11,14 @@ import datetime
 import json
 import logging
 import os
+import socket
 import sys
+import time
 from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from smp import _C, auto_resume, launch_env, log
+from smp import _C, auto_resume, collectives, launch_env, log
 from smp.config_source import config_text, timeout_of
 from smp.groups import choose_backend, create_groups, event_driven_group_barrier
 from smp.process_state import state
@@ -34,8 +36,6 @@ def _wait_for_listener(addr, port, timeout_s):
     store then connects at once. A timeout here is left to the store's own connect,
     which reports it.
     """
-    import socket
-    import time
     deadline = time.monotonic() + timeout_s
     pause = 0.002
     while time.monotonic() < deadline:
@@ -171,7 +171,6 @@ def shutdown():
 # reducers' threads stop. After a failure the groups are left to the process's end:
 # a collective the failed rank left behind could keep the join waiting.
 def _at_exit():
-    from smp import collectives
     _quiesce_native_threads()
     collectives.mark_exited()
     if state.initialized and getattr(sys, "last_value", None) is None:

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from smp import _C, nested
+from smp import _C, memory_estimate, nested, optimizer_sharding
 from smp.partitioning import manual_partition_of
 from smp.process_state import state
 
@@ -137,7 +137,6 @@ def make_plan(records):
         # Note [Cost model]: the bytes a stage really holds: each parameter with its
         # gradient and optimizer state (a share when sharded), and the activations of
         # the microbatches in flight.
-        from smp import memory_estimate, optimizer_sharding
         opts.param_memory_factor = memory_estimate.param_memory_factor(
             state.optimizer, optimizer_sharding.shards())
         opts.activation_memory_factor = float(min(cfg.active_microbatches, cfg.microbatches))

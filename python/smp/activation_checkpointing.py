@@ -25,6 +25,7 @@ Where it applies:
   routed elsewhere is checkpointed there on its own.
 - Only while grad is enabled and outside the trace.
 """
+import copy
 import re
 import weakref
 
@@ -158,7 +159,6 @@ def _tensors_in(value, found, seen):
 
 def _containers_copy(value):
     """`value` deep-copied except its tensors and modules, which the copy shares."""
-    import copy
     memo = {}
     _tensors_in(value, memo, set())
     return copy.deepcopy(value, memo)

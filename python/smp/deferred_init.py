@@ -36,7 +36,12 @@ promise of equality; torchdistx records and replays operations in C++. This is t
 replay, with the generator states saved so a partial replay is exact.
 """
 import contextlib
+import ctypes
+import ctypes.util
+import functools
+import resource
 import warnings
+import weakref
 
 import torch
 
@@ -127,7 +132,6 @@ class Recording:
     # long as the storage), `covers` compares identity (a later storage at a dead one's
     # address is not ours), and the last storage to die drops the recording.
     def close(self):
-        import weakref
         self.live = len(self.storages) + 1  # each death counts down, as does this call
         for s in self.storages.values():
             s.ref, s.meta = weakref.ref(s.meta, self._died), None
@@ -304,8 +308,6 @@ _TRIM = []
 def release_free_heap():
     """Returns glibc's free heap pages to the system (a no-op elsewhere)."""
     if not _TRIM:
-        import ctypes
-        import ctypes.util
         try:
             _TRIM.append(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim)
         except (OSError, AttributeError):
@@ -340,8 +342,14 @@ def _set_generator_state(generator, device, state):
         torch.set_rng_state(state)
 
 
+# Note [Private dispatch API]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# TorchDispatchMode lives in a private torch module (torch.utils._python_dispatch)
+# that torch may move or change between releases. It is imported in the two functions
+# that use it, which run only on a torch that _supported() accepts, so `import smp`
+# never depends on it: a torch without it loses deferred initialization, not smp.
 def _make_mode():
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode  # Note [Private dispatch API]
 
     class _Recorder(TorchDispatchMode):
         def __init__(self, recording):
@@ -423,7 +431,6 @@ def _recorded_init(fn):
     not live on through them, Note [Recording's lifetime]), and is made once per `fn`."""
     if fn in _WRAPPED:
         return _WRAPPED[fn]
-    import functools
 
     @functools.wraps(fn)
     def init(tensor, *args, **kwargs):
@@ -578,6 +585,7 @@ def materialized_on_use(module, dtype=None):
     (Note [Traced on real values]); the Python objects stay meta tensors. With `dtype`
     (config fp16/bf16) floating-point values are seen in it, as the model will hold
     them."""
+    # See Note [Private dispatch API].
     from torch.utils._python_dispatch import TorchDispatchMode
     cache = {}       # storage key -> real storage
     frames = [[]]    # per module call in progress: the keys it materialized
@@ -677,7 +685,6 @@ def _status_bytes(field):
 
 def memory_limit():
     """(bytes this process may still allocate, what limits it), or (None, None)."""
-    import resource
     best = (None, None)
     for name, field in (("RLIMIT_DATA", "VmData"), ("RLIMIT_AS", "VmSize")):
         soft, _ = resource.getrlimit(getattr(resource, name))

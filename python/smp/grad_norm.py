@@ -26,6 +26,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.utils.clip_grad as clip_grad
 
 from smp.groups import get_pp_process_group, get_world_process_group
 from smp.process_state import is_initialized, state
@@ -149,8 +150,6 @@ def redirect_torch_clip():
     global _TORCH_CLIP
     if _TORCH_CLIP is not None:
         return
-    import torch.nn.utils as utils
-    import torch.nn.utils.clip_grad as clip_grad
     _TORCH_CLIP = clip_grad.clip_grad_norm_
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *args, **kwargs):
@@ -163,7 +162,7 @@ def redirect_torch_clip():
     clip_grad_norm_.__doc__ = _TORCH_CLIP.__doc__
     clip_grad_norm_.__wrapped__ = _TORCH_CLIP
     clip_grad.clip_grad_norm_ = clip_grad_norm_
-    utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
 def _whole_model(params):

@@ -4,6 +4,7 @@ creates (world, every pp group, every dp group, one-rank tp groups) and their ge
 Groups are made through torch.distributed (`dist.new_group`) so they are registered
 there and usable with torch's API; C++ receives them with `_C.install`."""
 import contextlib
+import datetime
 import enum
 import inspect
 import itertools
@@ -119,7 +120,6 @@ def new_groups_within_pp_groups(positions, backend=None):
     world (every rank makes every one, in the topology's order, as torch requires);
     returns this rank's, or None when it is not at one of `positions`. Blocking waits
     are bounded by config 'timeout_s'."""
-    import datetime
     require_init()
     timeout = datetime.timedelta(seconds=state.cfg.timeout_s)
     mine = None

@@ -10,6 +10,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from smp import agreement
 from smp.collectives import agree_call, allgather, api_call
@@ -345,7 +346,6 @@ class ModelStateMixin:
     def register_post_partition_hook(self, hook):
         """`hook(model, optimizer)` runs after partitioning (the first step, before its
         first forward); registered after that, it runs at once. Returns a handle."""
-        from torch.utils.hooks import RemovableHandle
         if not callable(hook):
             raise ValueError(f"smp: register_post_partition_hook hook={hook!r} is not callable")
         if not isinstance(self._post_partition_hooks, collections.OrderedDict):
@@ -360,7 +360,6 @@ class ModelStateMixin:
         """`hook(model, optimizer)` runs once, after the next `@smp.step` call returns
         (the first step, for a hook registered before training: SMP v1). Hugging Face's
         Trainer loads a resumed optimizer state this way. Returns a handle."""
-        from torch.utils.hooks import RemovableHandle
         if not callable(hook):
             raise ValueError(f"smp: register_post_step_hook hook={hook!r} is not callable")
         if not isinstance(self._post_step_hooks, collections.OrderedDict):

@@ -3,6 +3,8 @@ uses wherever it looks inside a module's arguments or outputs: packing a remote 
 (`flatten`/`unflatten`), measuring output bytes while tracing (`leaves`), and
 rebuilding per-microbatch containers (`same_sequence`).
 """
+import torch
+
 __all__ = []
 
 
@@ -49,7 +51,6 @@ class TensorSlot:
 
 
 def _is_tensor(x):
-    import torch
     return isinstance(x, torch.Tensor)
 
 

@@ -20,6 +20,7 @@ parameters, buffers and hooks, on every rank. What changes is where a module run
 """
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as optim_module
 
 from smp import _C, groups
 from smp.process_state import state
@@ -186,7 +187,6 @@ class _OptimizerSteps:
 
     def count(self, tied):
         """This rank's step count, or -1 where torch has no step hooks."""
-        import torch.optim.optimizer as optim_module
         hook = getattr(optim_module, "register_optimizer_step_post_hook", None)
         if hook is None:
             return -1

@@ -10,6 +10,8 @@ attribute of the other read across files:
   engine and the tied weights, for partitions > 1.
 smp/join.py drives the replica's collectives through this interface.
 """
+import torch
+
 from smp import _C, auto_resume
 from smp.collectives import allgather
 from smp.ddp_comm_hooks import _install
@@ -65,7 +67,6 @@ class Replica:
 
     def broadcast(self, tensors):
         """dp rank 0's values of `tensors` on every replica."""
-        import torch
         with torch.no_grad():
             _C.broadcast_coalesced(get_dp_process_group(), list(tensors), 0)
 

@@ -2,7 +2,9 @@
 the partitioner (C++, `smp._C.partition`) needs: the module tree, call order and
 counts, parameter/buffer bytes, output bytes, and optionally time and memory.
 """
+import os
 import time
+import traceback
 
 import torch
 
@@ -87,8 +89,6 @@ class Trace:
         """Where the traced model raised `exc`: the module whose call was in progress
         (the innermost) and the last line of the model's own code that ran (not
         torch's, not smp's), as a phrase for the error every rank raises."""
-        import os
-        import traceback
         parts = []
         if self._stack:  # a call that raised never popped its entry
             name, module, _ = self.table[self._stack[-1][0]]

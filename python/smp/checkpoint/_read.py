@@ -3,6 +3,7 @@ torch's own loader unpickles the records it read (one read of the file). A parti
 save is read part by part, each rank the parts that hold its layers, and the pp group
 agrees on the verdict."""
 import os
+import re
 
 from smp import _C
 from smp.checkpoint import _torch_load
@@ -111,7 +112,6 @@ def read_parts(path, pp_rank, pp_size, map_location, pickle_module, weights_only
 
 def shard_files(path):
     """The shards `f"{path}_{pp}_{dp}"` smp.save(..., v3=True) wrote, in (pp, dp) order."""
-    import re
     d, base = os.path.split(os.path.abspath(path))
     pattern = re.compile(re.escape(base) + r"_(\d+)_(\d+)$")
     found = []

@@ -5,7 +5,7 @@ A script written for ``smdistributed.modelparallel.torch`` runs with
 """
 import torch  # noqa: F401  (must precede smp._C: it registers torch's pybind11 types)
 
-from smp import _C
+import smp._C as _C
 from smp import amp
 from smp import checkpoint
 from smp import ddp_comm_hooks

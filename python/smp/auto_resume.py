@@ -43,7 +43,8 @@ import sys
 
 import torch
 
-from smp import _C, log, process_state
+import smp._C as _C
+from smp import log, process_state
 
 __all__ = []
 

@@ -7,7 +7,7 @@ import pickle
 import sys
 import threading
 
-from smp import _C
+import smp._C as _C
 from smp.groups import CommGroup, group_name
 from smp.process_state import require_init, state
 from smp.ranks import RankType, members, to_global

@@ -4,7 +4,7 @@
 import json
 import os
 
-from smp import _C
+import smp._C as _C
 
 __all__ = []
 

@@ -10,7 +10,7 @@ Each concept lives in its own module; this one only re-exports them:
 - `collectives`: barrier, allgather, gather, send, recv_from, broadcast, and the
   naming of calls (Note [Naming the call]).
 """
-from smp import _C
+import smp._C as _C
 from smp.collectives import (  # noqa: F401
     STEP_CALL, agree_call, allgather, api_call, barrier, broadcast, dp_barrier, gather,
     mp_barrier, pp_barrier, recv_from, send,

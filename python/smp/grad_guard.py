@@ -11,7 +11,7 @@ rank that serves the driver's requests (pp rank > 0), while the model is inside 
 inside that backward, before the optimizer can apply the gradient. This module keeps
 the error's text.
 """
-from smp import _C
+import smp._C as _C
 from smp.process_state import state
 from smp.ranks import dp_size, pp_rank, pp_size, rank
 

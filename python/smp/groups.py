@@ -12,7 +12,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from smp import _C
+import smp._C as _C
 from smp.process_state import require_init, state
 
 __all__ = []

@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from smp import _C, optimizer_sharding
+import smp._C as _C
+from smp import optimizer_sharding
 from smp.collectives import STEP_CALL, api_call
 from smp.groups import get_dp_process_group
 from smp.process_state import is_initialized

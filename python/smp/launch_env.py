@@ -33,7 +33,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from smp import _C
+import smp._C as _C
 
 __all__ = []
 

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from smp import _C
+import smp._C as _C
 
 __all__ = []
 

@@ -35,7 +35,8 @@ import contextlib
 
 import torch
 
-from smp import _C, process_state
+import smp._C as _C
+from smp import process_state
 from smp.groups import get_pp_process_group, get_world_process_group
 from smp.nested import map_leaves
 from smp.ranks import pp_size

@@ -52,7 +52,8 @@ import contextlib
 
 import torch
 
-from smp import _C, ranks
+import smp._C as _C
+from smp import ranks
 from smp.groups import get_dp_process_group
 from smp.process_state import state
 

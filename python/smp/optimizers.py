@@ -38,7 +38,8 @@ import contextlib
 
 import torch
 
-from smp import _C, grad_norm, mixed_precision
+import smp._C as _C
+from smp import grad_norm, mixed_precision
 
 __all__ = ["FusedLamb", "FusedNovoGrad"]
 

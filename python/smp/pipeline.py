@@ -34,7 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from smp import _C, groups, log, placement, process_state
+import smp._C as _C
+from smp import groups, log, placement, process_state
 from smp.nested import TensorSlot, map_leaves, unflatten
 from smp.ranks import pp_rank, pp_size, rank
 from smp.remote_call import (ONE_TENSOR, Call, anchor, decode, encode_outputs, encode_request,

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as optim_module
 
-from smp import _C, groups
+import smp._C as _C
+from smp import groups
 from smp.process_state import state
 from smp.ranks import get_pp_group, pp_size, rank
 

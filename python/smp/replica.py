@@ -12,7 +12,8 @@ smp/join.py drives the replica's collectives through this interface.
 """
 import torch
 
-from smp import _C, auto_resume
+import smp._C as _C
+from smp import auto_resume
 from smp.collectives import allgather
 from smp.ddp_comm_hooks import _install
 from smp.groups import CommGroup, get_dp_process_group

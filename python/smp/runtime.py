@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from smp import _C, auto_resume, collectives, launch_env, log
+import smp._C as _C
+from smp import auto_resume, collectives, launch_env, log
 from smp.config_source import config_text, timeout_of
 from smp.groups import choose_backend, create_groups, event_driven_group_barrier
 from smp.process_state import state

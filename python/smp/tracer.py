@@ -8,7 +8,8 @@ import traceback
 
 import torch
 
-from smp import _C, memory_estimate, nested, optimizer_sharding
+import smp._C as _C
+from smp import memory_estimate, nested, optimizer_sharding
 from smp.partitioning import manual_partition_of
 from smp.process_state import state
 

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from smp import _C, ranks
+import smp._C as _C
+from smp import ranks
 from smp.checkpoint._common import CheckpointError, agree, topology
 from smp.checkpoint._crash import crash_point
 from smp.collectives import allgather

@@ -2,7 +2,8 @@
 rank sits, and the pp group's agreement on an error."""
 import os
 
-from smp import _C, agreement, ranks
+import smp._C as _C
+from smp import agreement, ranks
 from smp.groups import CommGroup
 from smp.model_state import PARTIAL_KEY  # noqa: F401  (merged as "any part" by _parts)
 from smp.process_state import is_initialized

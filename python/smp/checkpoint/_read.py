@@ -5,7 +5,7 @@ agrees on the verdict."""
 import os
 import re
 
-from smp import _C
+import smp._C as _C
 from smp.checkpoint import _torch_load
 from smp.checkpoint._common import CheckpointError, agree
 from smp.checkpoint._parts import merge, my_parts

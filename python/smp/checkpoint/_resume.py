@@ -3,7 +3,8 @@ smp.save files (model, optimizer, user content) and a `newest` file naming the t
 import os
 import shutil
 
-from smp import _C, auto_resume, log, optimizer_sharding
+import smp._C as _C
+from smp import auto_resume, log, optimizer_sharding
 from smp.checkpoint import _read
 from smp.checkpoint._api import load, save
 from smp.checkpoint._common import CheckpointError, check_bool, check_path

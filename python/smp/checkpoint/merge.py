@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from smp import _C
+import smp._C as _C
 from smp.checkpoint import _parts, _read
 from smp.checkpoint._common import PARTIAL_KEY, CheckpointError
 from smp.optimizer import _BY_NAME

@@ -9,7 +9,7 @@ Future (Note [Built-in hooks under torch DDP] in python/csrc/bind_reducer.cpp).
 """
 import torch.distributed as dist
 
-from smp import _C
+import smp._C as _C
 
 __all__ = []
 

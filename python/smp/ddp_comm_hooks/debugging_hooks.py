@@ -1,6 +1,6 @@
 """Debugging hooks: `noop_hook` returns the bucket unreduced (for measuring the cost of
 communication; training with it does not synchronise replicas)."""
-from smp import _C
+import smp._C as _C
 from smp.ddp_comm_hooks._builtin import run
 
 __all__ = ["noop_hook"]

@@ -13,7 +13,7 @@ default group, as with torch's own hooks.
 Each is a C++ hook (see smp/ddp_comm_hooks/_builtin.py): results are bit-identical to
 torch's hooks on the same inputs.
 """
-from smp import _C
+import smp._C as _C
 from smp.ddp_comm_hooks._builtin import CompressWrapper, run
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",

@@ -14,7 +14,7 @@ two (n x m) x (m x rank) products plus an orthogonalisation of each factor.
 import numpy as np
 import torch
 
-from smp import _C
+import smp._C as _C
 from smp.ddp_comm_hooks._builtin import run
 from smp.groups import get_dp_process_group
 from smp.process_state import is_initialized

@@ -8,7 +8,7 @@ torch's; unlike torch's hooks, these run on CPU as well as CUDA, and they issue 
 second allgather from the comm thread, never from a completion callback
 (hooks/quantization_hooks.h).
 """
-from smp import _C
+import smp._C as _C
 from smp.ddp_comm_hooks._builtin import run
 
 __all__ = ["quantization_pertensor_hook", "quantization_perchannel_hook"]

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 
-from smp import _C
+import smp._C as _C
 
 __all__ = []
 

@@ -6,19 +6,14 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "smp_core/detail/plan_rules.h"
 #include "smp_core/errors.h"
 #include "smp_core/scheduler.h"
 
 namespace smp {
 namespace {
 
-constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
-
-bool is_compute(Op op) { return op <= Op::kBackwardWeight; }
-// B and I are what the previous hop's backward waits for.
-bool is_backward_input(Op op) { return op == Op::kBackward || op == Op::kBackwardInput; }
-// B and W add to the parameters' gradients (Note [Gradient order]); I does not.
-bool accumulates(Op op) { return op == Op::kBackward || op == Op::kBackwardWeight; }
+using namespace detail::plan_rules;
 
 const char* op_code(Op op) {
   switch (op) {
@@ -33,58 +28,6 @@ const char* op_code(Op op) {
     case Op::kReduce: return "R";
   }
   return "?";
-}
-
-// When each compute action finished (kNever: not yet), by (microbatch, hop).
-struct Done {
-  Done(int64_t m, int64_t hops)
-      : f(m, std::vector<int64_t>(hops, kNever)), b(f), w(f), forwards_left(m) {}
-  std::vector<std::vector<int64_t>> f, b, w;  // b: B or I
-  int64_t forwards_left;  // microbatches whose last forward hop has not finished
-  int64_t last_forward = 0;  // when the last of them finished
-
-  int64_t& at(const Action& a) {
-    return a.op == Op::kForward ? f[a.mb][a.hop] : a.op == Op::kBackwardWeight ? w[a.mb][a.hop]
-                                                                              : b[a.mb][a.hop];
-  }
-  void finish(const Action& a, int64_t t, int64_t hops) {
-    at(a) = t;
-    if (a.op == Op::kForward && a.hop == hops - 1) {
-      --forwards_left;
-      last_forward = std::max(last_forward, t);
-    }
-  }
-  // Finishes the running actions (finish time, action) that end by `t`.
-  void finish_due(std::vector<std::pair<int64_t, Action>>& running, int64_t t, int64_t hops) {
-    for (auto it = running.begin(); it != running.end();) {
-      if (it->first <= t) {
-        finish(it->second, it->first, hops);
-        it = running.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-};
-
-// Note [Plan rules] (dependencies): forward hop h needs forward hop h-1; the backward
-// (B or I) of the last hop needs that hop's forward and, under "simple", every
-// microbatch's forward; backward hop h needs backward hop h+1; W needs its I.
-// Returns when `a` can start (kNever: not known yet).
-int64_t ready_at(const Action& a, const Done& d, int64_t hops, bool simple) {
-  if (a.op == Op::kForward) return a.hop == 0 ? 0 : d.f[a.mb][a.hop - 1];
-  if (a.op == Op::kBackwardWeight) return d.b[a.mb][a.hop];
-  if (a.hop < hops - 1) return d.b[a.mb][a.hop + 1];
-  if (!simple) return d.f[a.mb][a.hop];
-  return d.forwards_left == 0 ? std::max(d.last_forward, d.f[a.mb][a.hop]) : kNever;
-}
-
-std::string awaited(const Action& a, const Done& d, int64_t hops, bool simple) {
-  if (a.op == Op::kForward) return str_cat("F", a.mb, " hop ", a.hop - 1);
-  if (a.op == Op::kBackwardWeight) return str_cat("I", a.mb, " hop ", a.hop);
-  if (a.hop < hops - 1) return str_cat("B/I", a.mb, " hop ", a.hop + 1);
-  if (simple && d.forwards_left > 0) return "every microbatch's forward ('simple')";
-  return str_cat("F", a.mb, " hop ", a.hop);
 }
 
 // Note [Last hop's gradients]: a last hop that holds no parameters is the step body's
@@ -205,6 +148,14 @@ PlanOptions executed_plan_options(PlanKind kind, int64_t microbatches, int64_t s
   o.fused_last = kind != PlanKind::kSimple;
   o.last_hop_accumulates = last_hop_accumulates;
   if (kind == PlanKind::kZeroBubble) o.unsplit_rank = 0;  // the driver's hops run whole
+  // The task threads Dispatcher::drive starts: one per microbatch of the schedule's
+  // window.
+  switch (kind) {
+    case PlanKind::kSimple: o.threads = microbatches; break;
+    case PlanKind::kInterleaved: o.threads = std::min(active_microbatches, microbatches); break;
+    case PlanKind::k1F1B:
+    case PlanKind::kZeroBubble: o.threads = one_f_one_b_window(stages, microbatches); break;
+  }
   return o;
 }
 
@@ -215,6 +166,16 @@ Plan Plan::from_lists(PlanOptions options, std::vector<std::vector<Action>> comp
     throw ConfigError(str_cat("smp: a plan needs one list per pp rank: got ", compute.size(),
                               " for ", options.stages));
   return Plan(std::move(options), std::move(path), std::move(compute));
+}
+
+Plan Plan::from_actions(PlanOptions options, std::vector<std::vector<Action>> actions) {
+  std::vector<std::vector<Action>> compute(actions.size());
+  for (size_t r = 0; r < actions.size(); ++r)
+    for (const Action& a : actions[r])
+      if (is_compute(a.op)) compute[r].push_back(a);
+  Plan plan = from_lists(std::move(options), std::move(compute));
+  plan.actions_ = std::move(actions);
+  return plan;
 }
 
 int64_t Plan::window() const {
@@ -393,6 +354,7 @@ Plan Plan::schedule(const PlanOptions& options, const std::vector<bool>& forward
 }
 
 std::vector<std::vector<Action>> Plan::lowered() const {
+  if (!actions_.empty()) return actions_;
   const int64_t hops = static_cast<int64_t>(path_.size());
   std::vector<std::vector<Action>> out(compute_.size());
   for (size_t r = 0; r < compute_.size(); ++r) {
@@ -474,61 +436,6 @@ Plan::Timing Plan::simulate() const {
     timing.bubble_fraction =
         1.0 - static_cast<double>(busy) / static_cast<double>(timing.makespan * ranks);
   return timing;
-}
-
-void Plan::validate() const {
-  const int64_t m = options_.microbatches, hops = static_cast<int64_t>(path_.size());
-  // Each action once, on the rank its hop runs on.
-  std::map<std::tuple<int, int64_t, int64_t>, int> seen;
-  for (size_t r = 0; r < compute_.size(); ++r)
-    for (const Action& a : compute_[r]) {
-      if (!is_compute(a.op))
-        throw std::logic_error(str_cat("smp: plan: ", a.str(), " on pp rank ", r,
-                                       " is no compute action (lists hold F, B, I, W)"));
-      if (a.mb < 0 || a.mb >= m || a.hop < 0 || a.hop >= hops)
-        throw std::logic_error(str_cat("smp: plan: ", a.str(true), " on pp rank ", r,
-                                       " is outside the step (", m, " microbatches, ", hops,
-                                       " hops)"));
-      const bool split = splits(a.hop);
-      if (split ? a.op == Op::kBackward
-                : a.op == Op::kBackwardInput || a.op == Op::kBackwardWeight)
-        throw std::logic_error(str_cat("smp: plan: ", a.str(true), " on pp rank ", r, ": ",
-                                       plan_kind_name(options_.kind), " runs ",
-                                       split ? "I and W, not B" : "B, not I and W",
-                                       options_.kind == PlanKind::kZeroBubble
-                                           ? str_cat(" at hop ", a.hop, " (unsplit_rank ",
-                                                     options_.unsplit_rank, ")")
-                                           : std::string()));
-      if (path_[a.hop] != static_cast<int64_t>(r))
-        throw std::logic_error(str_cat("smp: plan: ", a.str(true), " is on pp rank ", r,
-                                       " but hop ", a.hop, " runs on pp rank ", path_[a.hop]));
-      if (++seen[{static_cast<int>(a.op), a.mb, a.hop}] > 1)
-        throw std::logic_error(str_cat("smp: plan: ", a.str(true), " runs twice on pp rank ", r));
-    }
-  for (int64_t mb = 0; mb < m; ++mb)
-    for (int64_t h = 0; h < hops; ++h)
-      for (Op op : hop_ops(h))
-        if (!seen.count({static_cast<int>(op), mb, h}))
-          throw std::logic_error(str_cat("smp: plan: ", Action{op, mb, h}.str(true),
-                                         " is missing on pp rank ", path_[h]));
-  // The driver starts microbatches in order, at most window() in flight.
-  const auto& driver = compute_[path_[0]];
-  int64_t next = 0, in_flight = 0;
-  for (const Action& a : driver) {
-    if (a.op == Op::kForward && a.hop == 0) {
-      if (a.mb != next)
-        throw std::logic_error(str_cat("smp: plan: the driver (pp rank ", path_[0], ") starts ",
-                                       a.str(), " before F", next,
-                                       ": microbatches start in order"));
-      ++next;
-      if (++in_flight > window())
-        throw std::logic_error(str_cat("smp: plan: ", in_flight, " microbatches in flight at ",
-                                       a.str(), " on the driver (pp rank ", path_[0],
-                                       "); the window is ", window()));
-    }
-    if (is_backward_input(a.op) && a.hop == 0) --in_flight;
-  }
-  simulate();  // throws on a deadlock, naming each rank's next action and its wait
 }
 
 namespace {

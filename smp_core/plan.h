@@ -18,7 +18,10 @@
 // lists (Note [Plan search]). validate() runs any plan, compiled or written by hand, with
 // processes modelled as cursors over the lists and says what is wrong: an action run
 // twice, missing, on the wrong rank, before what it needs (a deadlock: every rank's
-// next action waits on another's), or more microbatches in flight than the window.
+// next action waits on another's), more microbatches in flight than the window, or a
+// window larger than the driver's threads; and in the whole lists a send without its
+// receive, a communication before what it moves, or a receive whose wait deadlocks
+// (Note [Plan validation]).
 // format() prints the lists; timeline() the slots, as Schedule::grid does; both can mark
 // the action that failed.
 //
@@ -110,6 +113,10 @@ struct PlanOptions {
   // Note [Plan search] (plan.cpp): interleaved and 1f1b keep the shortest of several
   // rules' lists; false: the kind's own rule alone.
   bool search = true;
+  // The driver's task threads: each microbatch in flight there holds one (Note [Task
+  // threads] in smp_core/detail/task_pool.h), so validate() refuses a window larger
+  // than this. 0: not checked (a plan for printing only).
+  int64_t threads = 0;
 };
 
 // The options of the plan the runtime executes (Note [Executed plan] in dispatch.cpp)
@@ -128,18 +135,25 @@ class Plan {
   // A plan given as lists (one per pp rank), e.g. written by hand or read back; not
   // validated until validate().
   static Plan from_lists(PlanOptions options, std::vector<std::vector<Action>> compute);
+  // The same from whole lists (what lowered() returns: compute, sends, receives and
+  // the reduction), which lowered() then returns as given and validate() checks as
+  // written (Note [Plan validation] in plan_validate.cpp).
+  static Plan from_actions(PlanOptions options, std::vector<std::vector<Action>> actions);
 
   const PlanOptions& options() const { return options_; }
   const std::vector<int64_t>& path() const { return path_; }
   // Per pp rank, the compute actions (F, B, I, W) in order.
   const std::vector<std::vector<Action>>& compute() const { return compute_; }
-  // Per pp rank, every action: compute, sends, receives and the final reduction.
+  // Per pp rank, every action: compute, sends, receives and the final reduction (as
+  // given to from_actions(), else each compute action with the communication it
+  // implies).
   std::vector<std::vector<Action>> lowered() const;
   // Microbatches the driver (path[0]) may hold in flight: forward begun, backward not
   // yet back at hop 0.
   int64_t window() const;
 
-  // Throws std::logic_error saying what is wrong (see the file comment).
+  // Throws std::logic_error saying what is wrong (see the file comment and Note [Plan
+  // validation] in plan_validate.cpp).
   void validate() const;
 
   // Runs the lists with the costs, each rank in its order, each action when what it
@@ -171,9 +185,13 @@ class Plan {
   bool splits(int64_t hop) const;  // zero_bubble runs I and W at this hop
   std::vector<Op> hop_ops(int64_t hop) const;  // a microbatch's compute actions at `hop`
 
+  // validate()'s checks of the whole lists (plan_validate.cpp).
+  void validate_lowered() const;
+
   PlanOptions options_;
   std::vector<int64_t> path_;
   std::vector<std::vector<Action>> compute_;
+  std::vector<std::vector<Action>> actions_;  // from_actions()'s lists; empty: derived
 };
 
 }  // namespace smp

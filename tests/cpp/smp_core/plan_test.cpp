@@ -427,6 +427,93 @@ TEST(Plan, ValidateNamesWhatIsWrong) {
   EXPECT_EQ(validate_error(from({{f0, b0, g0, c0}, {f1, b1, g1, c1}}, two)), "");
 }
 
+// Note [Plan validation]: the whole lists, as from_actions() takes them.
+TEST(Plan, WholeListsAsGivenValidate) {
+  for (PlanKind kind : kKinds)
+    for (const std::vector<int64_t>& path :
+         {std::vector<int64_t>{}, std::vector<int64_t>{0, 1, 0}, std::vector<int64_t>{0, 1, 2, 1, 0}}) {
+      PlanOptions o = opts(kind, 4, 3, path);
+      const Plan compiled = Plan::compile(o);
+      const Plan given = Plan::from_actions(o, compiled.lowered());
+      EXPECT_EQ(validate_error(given), "") << given.format();
+      EXPECT_EQ(given.format(), compiled.format());
+      EXPECT_EQ(given.compute(), compiled.compute());
+    }
+}
+
+void erase(std::vector<Action>& list, const Action& a) {
+  auto it = std::find(list.begin(), list.end(), a);
+  ASSERT_NE(it, list.end()) << a.str(true);
+  list.erase(it);
+}
+
+void move_before(std::vector<Action>& list, const Action& a, const Action& before) {
+  erase(list, a);
+  auto it = std::find(list.begin(), list.end(), before);
+  ASSERT_NE(it, list.end()) << before.str(true);
+  list.insert(it, a);
+}
+
+TEST(Plan, ValidateRefusesASendWithoutItsReceive) {
+  Plan plan = Plan::compile(opts(PlanKind::k1F1B, 1, 2));
+  auto lists = plan.lowered();
+  const PlanOptions o = plan.options();
+  erase(lists[1], {Op::kRecvForward, 0, 1, 0});
+  EXPECT_EQ(validate_error(Plan::from_actions(o, lists)),
+            "smp: plan: SF0>1 on pp rank 0 has no receive: pp rank 1's list has no RF0<0");
+  lists = plan.lowered();
+  erase(lists[0], {Op::kSendForward, 0, 0, 1});
+  EXPECT_EQ(validate_error(Plan::from_actions(o, lists)),
+            "smp: plan: RF0<0 on pp rank 1 has no send: pp rank 0's list has no SF0>1");
+  lists = plan.lowered();
+  erase(lists[0], {Op::kRecvBackward, 0, 0, 1});
+  erase(lists[1], {Op::kSendBackward, 0, 1, 0});
+  EXPECT_EQ(validate_error(Plan::from_actions(o, lists)),
+            "smp: plan: RB0<1 is missing on pp rank 0: B0 receives nothing");
+  lists = plan.lowered();
+  lists[0].insert(lists[0].begin() + 1, Action{Op::kSendForward, 0, 0, 0});
+  EXPECT_EQ(validate_error(Plan::from_actions(o, lists)),
+            "smp: plan: SF0>0 on pp rank 0 is no communication of this path (2 hops: hop 0 "
+            "runs on pp rank 0, hop 1 on pp rank 1)");
+}
+
+TEST(Plan, ValidateRefusesAnOutOfOrderDependency) {
+  Plan plan = Plan::compile(opts(PlanKind::k1F1B, 1, 2));
+  const PlanOptions o = plan.options();
+  // On one rank: a send before the compute whose output it moves, a receive after the
+  // compute that needs it.
+  auto lists = plan.lowered();
+  move_before(lists[0], {Op::kSendForward, 0, 0, 1}, {Op::kForward, 0, 0});
+  EXPECT_EQ(validate_error(Plan::from_actions(o, lists)),
+            "smp: plan: SF0>1 on pp rank 0 comes before F0, whose output it sends");
+  lists = plan.lowered();
+  move_before(lists[1], {Op::kForward, 0, 1}, {Op::kRecvForward, 0, 1, 0});
+  EXPECT_EQ(validate_error(Plan::from_actions(o, lists)),
+            "smp: plan: RF0<0 on pp rank 1 comes after F0, which needs it");
+  // Across ranks: the driver waits for microbatch 0's gradient before it sends
+  // microbatch 0's activations on; the compute order alone is fine.
+  const Plan loop = Plan::compile(opts(PlanKind::k1F1B, 2, 2, {0, 1, 0}));
+  lists = loop.lowered();
+  move_before(lists[0], {Op::kRecvBackward, 0, 0, 1}, {Op::kSendForward, 0, 0, 1});
+  EXPECT_EQ(validate_error(Plan::from_actions(loop.options(), lists)),
+            "smp: plan deadlocks: pp rank 0 at RB0.h0<1 waits for SB0.h1>0 on pp rank 1; "
+            "pp rank 1 at RF0.h1<0 waits for SF0.h0>1 on pp rank 0");
+}
+
+TEST(Plan, ValidateRefusesAWindowLargerThanTheThreads) {
+  for (PlanKind kind : kKinds) {
+    PlanOptions o = executed_plan_options(kind, 8, 2, 3, {0, 1, 0}, true);
+    EXPECT_EQ(validate_error(Plan::compile(o)), "") << plan_kind_name(kind);
+  }
+  PlanOptions o = opts(PlanKind::kInterleaved, 8, 2, {}, 4);
+  o.threads = 2;
+  EXPECT_EQ(validate_error(Plan::compile(o)),
+            "smp: plan: the window is 4 microbatches but the driver (pp rank 0) has 2 task "
+            "threads; each microbatch in flight holds one");
+  o.threads = 4;
+  EXPECT_EQ(validate_error(Plan::compile(o)), "");
+}
+
 TEST(Plan, FormatAndTimelineMarkTheFailedAction) {
   Plan plan = Plan::compile(opts(PlanKind::k1F1B, 2, 2));
   EXPECT_EQ(plan.format(),

@@ -26,15 +26,21 @@ from smp.step import StepOutput, step
 from smp.checkpoint import (
     CheckpointError, load, resume_from_checkpoint, save, save_checkpoint,
 )
-from smp.core import (
-    CommGroup, ConfigError, RankType, allgather, barrier, broadcast, dp_barrier, dp_rank,
-    dp_size, gather, get_dp_group, get_dp_process_group, get_mp_group,
-    get_mp_process_group, get_pp_group, get_pp_process_group, get_rdp_group,
-    get_rdp_process_group, get_tp_group, get_tp_process_group, get_world_process_group,
-    init, is_initialized, is_tracing, local_rank, local_size, mp_barrier, mp_rank, mp_size,
-    num_microbatches, pp_barrier, pp_rank, pp_size, rank, rdp_rank, rdp_size, recv_from,
-    send, shutdown, size, state, tp_rank, tp_size,
+from smp import core  # noqa: F401  (the compatibility namespace smp.core.X)
+from smp.collectives import (
+    allgather, barrier, broadcast, dp_barrier, gather, mp_barrier, pp_barrier, recv_from, send,
 )
+from smp.groups import (
+    CommGroup, get_dp_process_group, get_mp_process_group, get_pp_process_group,
+    get_rdp_process_group, get_tp_process_group, get_world_process_group,
+)
+from smp.process_state import is_initialized, is_tracing, num_microbatches, state
+from smp.ranks import (
+    RankType, dp_rank, dp_size, get_dp_group, get_mp_group, get_pp_group, get_rdp_group,
+    get_tp_group, local_rank, local_size, mp_rank, mp_size, pp_rank, pp_size, rank, rdp_rank,
+    rdp_size, size, tp_rank, tp_size,
+)
+from smp.runtime import init, shutdown
 
 __version__ = "0.1.0"
 # The SMP v1 API level smp implements: smdistributed.modelparallel.__version__.
@@ -42,6 +48,7 @@ __version__ = "0.1.0"
 SMP_API_VERSION = "1.10.0"
 
 CommError = _C.CommError
+ConfigError = _C.ConfigError
 GradBucket = _C.GradBucket
 SMPTimeoutError = _C.SMPTimeoutError
 

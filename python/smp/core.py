@@ -1,9 +1,11 @@
 """`smp.core`: initialisation, topology queries, process groups and object
-collectives, as one namespace (the package's modules use `core.X`).
+collectives, as one namespace for scripts and tests that write `smp.core.X`.
 
-Each concept lives in its own module; this one only re-exports them:
+Inside the package only `smp/__init__.py` imports it, for the name `smp.core`; every
+module imports the concept module it uses, so its imports say which way it depends
+(docs/architecture.md, "The Python package's layers"). Each concept lives in its own
+module; this one only re-exports them:
 - `process_state`: `smp.state` and the check that smp is initialised;
-- `config_source`: where the config text comes from;
 - `runtime`: smp.init and smp.shutdown;
 - `groups`: CommGroup and the torch.distributed process groups;
 - `ranks`: RankType, rank and size getters, group members;

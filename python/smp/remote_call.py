@@ -6,7 +6,7 @@ import pickle
 
 import torch
 
-from smp import _C
+import smp._C as _C
 from smp.memo import Memo
 from smp.nested import TensorSlot, flatten, unflatten
 from smp.timeline import timeline

@@ -16,6 +16,7 @@
 #include "launcher/options.h"
 #include "launcher/session.h"
 #include "launcher/signals.h"
+#include "smp_common/env.h"
 
 namespace {
 
@@ -45,7 +46,7 @@ std::string make_dirs(const std::string& path) {
 }
 
 int run(int argc, char** argv) {
-  EnvMap env = current_env();
+  EnvMap env = smp::common::current_env();
   char exe[4096];
   ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   const std::string exe_path = n > 0 ? std::string(exe, static_cast<size_t>(n)) : "";

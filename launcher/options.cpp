@@ -9,7 +9,8 @@
 #include <sstream>
 
 #include "launcher/net.h"
-#include "smp_core/detail/auth.h"
+#include "smp_common/auth.h"
+#include "smp_common/env.h"
 
 namespace smp::launcher {
 
@@ -148,7 +149,7 @@ std::string resolve_program(const std::string& program, const EnvMap& env,
   return "";
 }
 
-// Note [Job secret] (smp_core/detail/auth.h): where the job's secret comes from.
+// Note [Job secret] (smp_common/auth.h): where the job's secret comes from.
 std::string resolve_secret(const std::string& secret_file, const EnvMap& env, LaunchOptions* o) {
   auto get = [&](const char* key) {
     auto it = env.find(key);
@@ -236,7 +237,8 @@ ParseResult parse_options(const std::vector<std::string>& argv, const EnvMap& en
                               "Address of node 0 (default 127.0.0.1 on one node)");
   auto* port = app.add_option("--master_port,--master-port", o.master_port,
                               "MASTER_PORT of the ranks; node 0's launcher listens on it + 1 "
-                              "(default: a free port on one node, 29500 on several)");
+                              "(default: a free port on one node, " +
+                                  std::to_string(common::kDefaultMasterPort) + " on several)");
   std::string config;
   auto* config_opt =
       app.add_option("--config", config, "smp config: JSON text or a JSON file, passed as SMP_CONFIG");
@@ -328,7 +330,7 @@ ParseResult parse_options(const std::vector<std::string>& argv, const EnvMap& en
       o.master_port = *d.master_port;
       o.master_port_given = true;
     } else if (o.nnodes > 1) {
-      o.master_port = kDefaultMultiNodePort;
+      o.master_port = common::kDefaultMasterPort;
       o.master_port_given = true;
     } else {
       o.master_port = 0;  // picked at launch, see LaunchOptions::master_port

@@ -24,8 +24,6 @@ constexpr const char* kDefaultPython = SMP_DEFAULT_PYTHON;
 #else
 constexpr const char* kDefaultPython = "/usr/bin/python3";
 #endif
-// torchrun's default rendezvous port, used when nnodes > 1 and nothing names a port.
-constexpr int kDefaultMultiNodePort = 29500;
 
 struct LaunchOptions {
   // Nodes in the job; one smprun runs on each.
@@ -61,7 +59,7 @@ struct LaunchOptions {
   std::vector<std::string> command;
   // Which scheduler environments contributed defaults (for messages); may be empty.
   std::string defaults_source;
-  // The job secret (Note [Job secret] in smp_core/detail/auth.h), hex: from --secret_file,
+  // The job secret (Note [Job secret] in smp_common/auth.h), hex: from --secret_file,
   // else SMP_JOB_SECRET, else SMP_JOB_SECRET_FILE, else drawn here (one node only).
   // Every rank gets it as SMP_JOB_SECRET; the launchers prove it to each other.
   std::string secret;

@@ -1,15 +1,12 @@
 #include "launcher/scheduler_env.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <climits>
-#include <cstdlib>
 
 #include <nlohmann/json.hpp>
 
-extern char** environ;
-
 namespace smp::launcher {
+
+using common::parse_int;
 
 namespace {
 
@@ -87,28 +84,6 @@ bool expand_item(const std::string& item, std::vector<std::string>* out) {
 }
 
 }  // namespace
-
-std::optional<int> parse_int(const std::string& text) {
-  if (text.empty()) return std::nullopt;
-  errno = 0;
-  char* end = nullptr;
-  long v = std::strtol(text.c_str(), &end, 10);
-  if (errno != 0 || end != text.c_str() + text.size() || v < INT_MIN || v > INT_MAX)
-    return std::nullopt;
-  if (text.find_first_of(" \t\n") != std::string::npos) return std::nullopt;
-  return static_cast<int>(v);
-}
-
-EnvMap current_env() {
-  EnvMap env;
-  for (char** e = environ; e && *e; ++e) {
-    std::string kv = *e;
-    size_t eq = kv.find('=');
-    if (eq == std::string::npos) continue;
-    env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
-  }
-  return env;
-}
 
 std::vector<std::string> expand_slurm_nodelist(const std::string& nodelist) {
   std::vector<std::string> hosts;

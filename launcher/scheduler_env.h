@@ -11,12 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "smp_common/env.h"
+
 namespace smp::launcher {
 
-using EnvMap = std::map<std::string, std::string>;
-
-// Snapshot of the process environment (environ) as an EnvMap.
-EnvMap current_env();
+using EnvMap = common::EnvMap;
 
 // What one source of defaults says about the job; unset fields are unknown.
 struct SchedulerDefaults {
@@ -72,8 +71,5 @@ std::string first_slurm_host(const std::string& nodelist);
 // (SLURM_TASKS_PER_NODE "2(x3),1" -> 2, 2, 2, 1); nullopt if malformed or `node` is
 // outside the list. Also used by smp.init under srun (python/smp/launch_env.py).
 std::optional<int> slurm_tasks_on_node(const std::string& counts, int node);
-
-// Parses a whole string as a decimal int; nullopt on junk, sign errors or overflow.
-std::optional<int> parse_int(const std::string& text);
 
 }  // namespace smp::launcher

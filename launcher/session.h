@@ -17,7 +17,7 @@
 #include "launcher/failure.h"
 #include "launcher/local_group.h"
 #include "launcher/options.h"
-#include "smp_core/detail/auth.h"
+#include "smp_common/auth.h"
 
 namespace smp::launcher {
 

@@ -4,8 +4,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "smp_common/auth.h"
 #include "smp_core/compat/torch_compat.h"
-#include "smp_core/detail/auth.h"
 #include "smp_core/errors.h"
 
 #include <algorithm>

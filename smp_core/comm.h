@@ -44,7 +44,7 @@ std::string broadcast_bytes(const ProcessGroupPtr& pg, const std::string& data, 
 
 void barrier(const ProcessGroupPtr& pg, double timeout_s, const std::string& what);
 
-// Note [Job secret] (detail/auth.h): every value smp puts in the store is sealed with
+// Note [Job secret] (smp_common/auth.h): every value smp puts in the store is sealed with
 // the job key, and read back only when its MAC verifies. store_get_sealed throws
 // CommError naming the key when it does not (nothing of the value is decoded).
 void store_set_sealed(const StorePtr& store, const std::string& key, const std::string& value);

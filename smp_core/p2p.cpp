@@ -14,8 +14,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "smp_common/auth.h"
 #include "smp_core/comm.h"
-#include "smp_core/detail/auth.h"
 #include "smp_core/detail/tcp_mesh.h"
 #include "smp_core/detail/wire.h"
 #include "smp_core/errors.h"

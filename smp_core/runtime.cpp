@@ -1,8 +1,6 @@
 #include "smp_core/runtime.h"
 
 #include <algorithm>
-#include <cctype>
-#include <cerrno>
 #include <cstdlib>
 #include <limits>
 #include <thread>
@@ -16,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "smp_common/env.h"
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/errors.h"
 
@@ -45,18 +44,10 @@ class Vars {
   const std::map<std::string, std::string>* vars_;
 };
 
+// smprun's integer parser (smp_common/env.h), around whitespace the shell may leave.
 int parse_int(const std::string& name, const char* value) {
-  const char* begin = value;
-  while (std::isspace(static_cast<unsigned char>(*begin))) ++begin;
-  errno = 0;
-  char* end = nullptr;
-  long x = std::strtol(begin, &end, 10);
-  const bool digits = end != begin;
-  while (std::isspace(static_cast<unsigned char>(*end))) ++end;
-  if (!digits || *end != '\0' || errno == ERANGE || x < std::numeric_limits<int>::min() ||
-      x > std::numeric_limits<int>::max())
-    throw ConfigError(str_cat("smp: environment ", name, "='", value, "' is not an integer"));
-  return static_cast<int>(x);
+  if (auto x = common::parse_int(common::trim(value))) return *x;
+  throw ConfigError(str_cat("smp: environment ", name, "='", value, "' is not an integer"));
 }
 
 // A variable that must be set because RANK is.

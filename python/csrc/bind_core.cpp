@@ -7,7 +7,7 @@
 #include <optional>
 
 #include "bindings.h"
-#include "smp_core/detail/auth.h"
+#include "smp_common/auth.h"
 #include "smp_core/call_agreement.h"
 #include "smp_core/comm.h"
 #include "smp_core/config.h"

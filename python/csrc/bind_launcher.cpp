@@ -1,9 +1,11 @@
-// Bindings of launcher/'s scheduler parsing, so smp.init under srun reads SLURM's
-// variables with the very rules smprun uses (python/smp/launch_env.py).
+// Bindings of launcher/'s scheduler parsing and smp_common's launch defaults, so
+// smp.init under srun or mpirun reads the environment with the very rules and defaults
+// smprun uses (python/smp/launch_env.py).
 #include <pybind11/stl.h>
 
 #include "bindings.h"
 #include "launcher/scheduler_env.h"
+#include "smp_common/env.h"
 
 namespace py = pybind11;
 
@@ -16,6 +18,7 @@ void bind_launcher(py::module_& m) {
         py::arg("node"),
         "Tasks on `node` from SLURM's per-node counts ('2(x3),1'); None if malformed or "
         "`node` is outside the list.");
+  m.attr("DEFAULT_MASTER_PORT") = common::kDefaultMasterPort;
 }
 
 }  // namespace smp::python

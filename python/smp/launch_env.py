@@ -40,8 +40,9 @@ __all__ = []
 ConfigError = _C.ConfigError
 
 # smprun's default --master_port on several nodes (docs/launcher.md); srun and mpirun
-# start every rank at once, so no rank can pick a free port for the others.
-_DEFAULT_MASTER_PORT = 29500
+# start every rank at once, so no rank can pick a free port for the others. One value
+# for both: smp_common/env.h's kDefaultMasterPort, which smprun compiles in.
+_DEFAULT_MASTER_PORT = _C.DEFAULT_MASTER_PORT
 
 
 class WorldEnv:

@@ -19,7 +19,7 @@
 #include <fstream>
 #include <thread>
 
-#include "smp_core/detail/auth.h"
+#include "smp_common/auth.h"
 #include "smp_core/errors.h"
 
 namespace smp::detail {

@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "smp_core/detail/auth.h"
+#include "smp_common/auth.h"
 
 namespace smp::detail {
 

@@ -12,8 +12,8 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "smp_common/auth.h"
 #include "smp_core/compat/torch_compat.h"
-#include "smp_core/detail/auth.h"
 
 namespace smp::testing {
 

@@ -170,7 +170,7 @@ TEST_F(OptionsTest, SchedulerDefaultsAndFlagsWin) {
   EXPECT_EQ(r.options.node_rank, 1);
   EXPECT_EQ(r.options.nproc_per_node, 4);
   EXPECT_EQ(r.options.master_addr, "node01");
-  EXPECT_EQ(r.options.master_port, kDefaultMultiNodePort);
+  EXPECT_EQ(r.options.master_port, common::kDefaultMasterPort);
   EXPECT_EQ(r.options.job_id, "99");
   EXPECT_EQ(r.options.defaults_source, "slurm");
   r = parse({"--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2", "--job_id", "j",

@@ -138,13 +138,6 @@ TEST(MergedDefaults, PrecedenceIsGenericSlurmOpenMpiSageMaker) {
   EXPECT_TRUE(merged_defaults({}).source.empty());
 }
 
-TEST(ParseInt, StrictDecimal) {
-  EXPECT_EQ(parse_int("42"), 42);
-  EXPECT_EQ(parse_int("-3"), -3);
-  for (const char* bad : {"", "4x", " 4", "4 ", "99999999999", "0x10"})
-    EXPECT_FALSE(parse_int(bad)) << bad;
-}
-
 TEST(SlurmTasksOnNode, CompressedCountsPerNode) {
   // SLURM_TASKS_PER_NODE "2(x3),1": nodes 0-2 run 2 tasks, node 3 runs 1.
   for (int node = 0; node < 3; ++node) EXPECT_EQ(slurm_tasks_on_node("2(x3),1", node), 2);

@@ -1,5 +1,5 @@
 #include "smp_core/comm.h"
-#include "smp_core/detail/auth.h"
+#include "smp_common/auth.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 

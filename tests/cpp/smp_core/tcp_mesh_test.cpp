@@ -18,7 +18,7 @@
 #include <string>
 #include <thread>
 
-#include "smp_core/detail/auth.h"
+#include "smp_common/auth.h"
 #include "smp_core/errors.h"
 
 namespace smp::detail {

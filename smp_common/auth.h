@@ -1,5 +1,5 @@
 // The job's secret and what it authenticates (Note [Job secret]; docs/security.md).
-// No torch: the launcher (smprun) links it too.
+// Torch-free (smp_common): smprun and every rank use the same code.
 //
 // Note [Job secret]
 // Every process of a job holds one secret key. smprun draws a random one per job and

@@ -1,4 +1,4 @@
-#include "smp_core/detail/auth.h"
+#include "smp_common/auth.h"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -17,6 +17,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "smp_common/env.h"
+
 namespace smp::auth {
 namespace {
 
@@ -32,13 +34,6 @@ int hex_digit(char c) {
   if (c >= 'a' && c <= 'f') return c - 'a' + 10;
   if (c >= 'A' && c <= 'F') return c - 'A' + 10;
   return -1;
-}
-
-std::string trim(std::string s) {
-  const char* ws = " \t\r\n";
-  s.erase(0, s.find_first_not_of(ws));
-  s.erase(s.find_last_not_of(ws) + 1);
-  return s;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -126,7 +121,7 @@ std::string to_hex(const std::string& bytes) {
 }
 
 Key key_from_secret(const std::string& text, const std::string& where) {
-  const std::string hex = trim(text);
+  const std::string hex = common::trim(text);
   if (hex.size() < 32 || hex.size() % 2 != 0)
     throw std::invalid_argument("smp: " + where + " must be an even number of hex digits, at least 32 (got " +
                                 std::to_string(hex.size()) + " characters); e.g. `openssl rand -hex 32`");
@@ -154,7 +149,7 @@ std::string secret_from_file(const std::string& path, const std::string& where) 
                                 std::strerror(errno));
   std::stringstream text;
   text << in.rdbuf();
-  const std::string secret = trim(text.str());
+  const std::string secret = common::trim(text.str());
   key_from_secret(secret, where + " '" + path + "'");  // validates
   return secret;
 }

@@ -2,13 +2,15 @@
 
 #include <ATen/core/ivalue.h>
 
+#include "hooks/builtin.h"
+
 namespace smp::hooks {
 namespace {
 
 class NoopHook : public CommHook {
  public:
   FuturePtr run(GradBucket& bucket) override { return completed_future(bucket.buffer()); }
-  std::string name() const override { return "noop"; }
+  std::string name() const override { return builtin_hook_name(BuiltinCommHookType::kNoop); }
   bool issues_all_in_run() const override { return true; }
 };
 

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 
+#include "hooks/builtin.h"
 #include "hooks/detail/collectives.h"
 #include "smp_core/errors.h"
 
@@ -17,7 +18,15 @@ const ProcessGroupPtr& group_of(const ProcessGroupPtr& state, const GradBucket& 
   return state ? state : bucket.process_group();
 }
 
-std::string dtype_tag(at::ScalarType dtype) { return dtype == at::kHalf ? "fp16" : "bf16"; }
+using T = BuiltinCommHookType;
+
+// The names of the dtype's compress hook and wrapper, from the one table (builtin.cpp).
+const std::string& compress_name(at::ScalarType dtype) {
+  return builtin_hook_name(dtype == at::kHalf ? T::kFp16Compress : T::kBf16Compress);
+}
+const std::string& wrapper_name(at::ScalarType dtype) {
+  return builtin_hook_name(dtype == at::kHalf ? T::kFp16CompressWrapper : T::kBf16CompressWrapper);
+}
 
 class AllreduceHook : public CommHook {
  public:
@@ -29,7 +38,7 @@ class AllreduceHook : public CommHook {
     buf.div_(pg->getSize());
     return detail::allreduce_sum(pg, buf);
   }
-  std::string name() const override { return "allreduce"; }
+  std::string name() const override { return builtin_hook_name(T::kAllreduce); }
   bool issues_all_in_run() const override { return true; }
 
  private:
@@ -51,7 +60,7 @@ class CompressHook : public CommHook {
     buf.copy_(tensor_of(value, "the future of comm hook " + name()));
     return buf;
   }
-  std::string name() const override { return dtype_tag(dtype_) + "_compress"; }
+  std::string name() const override { return compress_name(dtype_); }
   bool issues_all_in_run() const override { return true; }
 
  private:
@@ -64,7 +73,7 @@ class CompressWrapper : public CommHook {
   CompressWrapper(at::ScalarType dtype, CommHookPtr inner)
       : dtype_(dtype), inner_(std::move(inner)) {
     if (!inner_)
-      throw ConfigError("smp: " + dtype_tag(dtype) + "_compress_wrapper: the inner hook is null");
+      throw ConfigError("smp: " + wrapper_name(dtype) + ": the inner hook is null");
   }
   FuturePtr run(GradBucket& bucket) override {
     {
@@ -90,7 +99,7 @@ class CompressWrapper : public CommHook {
     return original;
   }
   std::string name() const override {
-    return dtype_tag(dtype_) + "_compress_wrapper(" + inner_->name() + ")";
+    return wrapper_name(dtype_) + "(" + inner_->name() + ")";
   }
   bool issues_all_in_run() const override { return inner_->issues_all_in_run(); }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <mutex>
 
+#include "hooks/builtin.h"
 #include "hooks/detail/collectives.h"
 #include "hooks/detail/numpy_random.h"
 #include "hooks/detail/powersgd_math.h"
@@ -307,7 +308,7 @@ class PowerSGDBase : public CommHook {
 class PowerSGDHook : public PowerSGDBase {
  public:
   using PowerSGDBase::PowerSGDBase;
-  std::string name() const override { return "powerSGD"; }
+  std::string name() const override { return builtin_hook_name(BuiltinCommHookType::kPowerSGD); }
 
  protected:
   FuturePtr compress(GradBucket& bucket, const ProcessGroupPtr& pg, Pending& p) override {
@@ -446,7 +447,9 @@ class PowerSGDHook : public PowerSGDBase {
 class BatchedPowerSGDHook : public PowerSGDBase {
  public:
   using PowerSGDBase::PowerSGDBase;
-  std::string name() const override { return "batched_powerSGD"; }
+  std::string name() const override {
+    return builtin_hook_name(BuiltinCommHookType::kBatchedPowerSGD);
+  }
 
  protected:
   FuturePtr compress(GradBucket& bucket, const ProcessGroupPtr& pg, Pending& p) override {

@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 
+#include "hooks/builtin.h"
 #include "smp_core/errors.h"
 
 namespace smp::hooks {
@@ -111,7 +112,8 @@ class QuantizationHook : public CommHook {
   }
 
   std::string name() const override {
-    return per_tensor_ ? "quantization_pertensor" : "quantization_perchannel";
+    return builtin_hook_name(per_tensor_ ? BuiltinCommHookType::kQuantizePerTensor
+                                         : BuiltinCommHookType::kQuantizePerChannel);
   }
   bool issues_all_in_run() const override { return true; }
 

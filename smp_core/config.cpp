@@ -194,8 +194,8 @@ Config Config::from_json(const std::string& text, int rank) {
   c.microbatches = p.get_int("microbatches", 1, 1);
   c.pipeline = p.get_choice("pipeline", "interleaved", {"interleaved", "simple", "1f1b", "zero_bubble"});
   // Every schedule executes its plan by default (Note [Executed plan] in
-  // smp_core/dispatch.cpp): with the loss hop planned as free (Note [Last hop's
-  // gradients]) the plans beat the dynamic order at pp=2, mb=8 (bench/pipeline.py).
+  // smp_core/detail/plan_execution.cpp): with the loss hop planned as free (Note [Last
+  // hop's gradients]) the plans beat the dynamic order at pp=2, mb=8 (bench/pipeline.py).
   // zero_bubble's weight-gradient actions go where its plan puts them, so "dynamic" is
   // refused for it rather than silently run as 1f1b.
   if (c.pipeline == "zero_bubble" && p.has("pipeline_order") && obj["pipeline_order"] == "dynamic")

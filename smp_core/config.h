@@ -22,7 +22,7 @@ struct Config {
   std::string pipeline = "interleaved";
   // "dynamic": the order adapts to the step's real timing (priorities, receive order);
   // "planned" (the default): from the second training step on, the compiled plan is
-  // executed as written (Note [Executed plan] in smp_core/dispatch.cpp).
+  // executed as written (Note [Executed plan] in smp_core/detail/plan_execution.cpp).
   std::string pipeline_order = "planned";
   // Data parallelism over replicas through smp's reducer.
   bool ddp = false;

@@ -167,7 +167,7 @@ class Dispatcher {
   // The meta of the kError answer of a served backward of microbatch `mb` that threw
   // `error` (Python: the pickled exception, kept for Note [One traceback per error]).
   // Default: the text. `weight`: the call's W failed (Note [Zero bubble at run time] in
-  // dispatch.cpp), after its answer went out.
+  // detail/served_backward.cpp), after its answer went out.
   using FailureEncoder =
       std::function<std::string(std::exception_ptr error, int64_t mb, bool weight)>;
   void set_failure_encoder(FailureEncoder encode);

@@ -89,8 +89,9 @@ struct PlanOptions {
   int64_t active_microbatches = 3;  // interleaved's window
   std::vector<int64_t> path;        // empty: 0, 1, ..., stages-1
   PlanCosts costs;
-  // The runtime's constraints (Note [Executed plan] in smp_core/dispatch.cpp), for a
-  // plan it executes. `gradient_order`: a rank starts a microbatch's backward work only
+  // The runtime's constraints (Note [Executed plan] in
+  // smp_core/detail/plan_execution.cpp), for a plan it executes. `gradient_order`: a
+  // rank starts a microbatch's backward work only
   // once the previous microbatch's is over there (Note [Gradient order]: its gradients
   // wait for it anyway). `fused_last`: on the last hop's rank a microbatch's forward is
   // followed by its backward without a pause (loss.backward() in the step body), so
@@ -119,8 +120,9 @@ struct PlanOptions {
   int64_t threads = 0;
 };
 
-// The options of the plan the runtime executes (Note [Executed plan] in dispatch.cpp)
-// for a `path` of the driver's calls: unit costs and the runtime's constraints
+// The options of the plan the runtime executes (Note [Executed plan] in
+// smp_core/detail/plan_execution.cpp) for a `path` of the driver's calls: unit costs
+// and the runtime's constraints
 // (gradient order; the loss fused with its backward, except under simple; the driver's
 // hops unsplit under zero_bubble; Note [Last hop's gradients]).
 PlanOptions executed_plan_options(PlanKind kind, int64_t microbatches, int64_t stages,

@@ -134,7 +134,8 @@ def log_partition(module_table, owner, partitions, table_fn, rank):
 
 def log_plan(text, rank):
     """Logs the pipeline plan a step executed (Note [Executed plan] in
-    smp_core/dispatch.cpp): its first line at INFO, every rank's actions at DEBUG."""
+    smp_core/detail/plan_execution.cpp): its first line at INFO, every rank's actions at
+    DEBUG."""
     logger = get_logger("pipeline")
     if not logger.isEnabledFor(logging.INFO) or not text:
         return

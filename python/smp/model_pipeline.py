@@ -162,8 +162,8 @@ class PipelinePart:
             dispatch.arm_reducer(reducer, self._hold)
         try:
             self.tied.check_copies()  # Note [Tied copies] (placement.py)
-            # Note [Step's finish] (smp_core/dispatch.cpp): as the step ends, the
-            # dispatcher sums the tied gradients and finalizes the reducer, in C++.
+            # Note [Step's finish] (smp_core/detail/step_end.cpp): as the step ends,
+            # the dispatcher sums the tied gradients and finalizes the reducer, in C++.
             # With fp16 or a GradScaler, last: the step's overflow, agreed (Note [One
             # overflow decision] in smp_core/loss_scale.cpp).
             dispatch.finish_step_with(self.tied.begin_step(), reducer,

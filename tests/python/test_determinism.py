@@ -131,7 +131,7 @@ class Alternating(nn.Module):
     # Small layers whose owners alternate between pp ranks (placed by smp.partition),
     # each a call of its own, with BatchNorm on both ranks: their running statistics
     # change in every forward, so they hold the order in which the microbatches reached
-    # them (Note [Forward order] in smp_core/dispatch.cpp).
+    # them (Note [Forward order] in smp_core/detail/plan_execution.cpp).
 
     def __init__(self, pp):
         super().__init__()

@@ -1,5 +1,6 @@
 """With config 'pipeline_order' "planned" the runtime executes the step's plan as written
-(Note [Executed plan] in smp_core/dispatch.cpp): from the second training step on, every
+(Note [Executed plan] in smp_core/detail/plan_execution.cpp): from the second training
+step on, every
 pp rank's compute token
 goes to its planned actions in the plan's order; a step whose calls differ from the
 recorded ones leaves the plan, is counted, and still trains as one process does.
@@ -186,8 +187,8 @@ print("PLAN " + json.dumps({"rank": smp.rank(), "planned_steps": st.planned_step
 
 @pytest.mark.parametrize("pipeline", ["1f1b", "interleaved", "zero_bubble"])
 def test_last_hop_that_starts_accumulating_leaves_the_plan(ranks, pipeline):
-    # Note [Last hop's gradients] (smp_core/dispatch.cpp): step 1's last hop on the
-    # driver accumulated nothing, so step 2's plan lets microbatch k + 1's loss come
+    # Note [Last hop's gradients] (smp_core/detail/gradient_order.cpp): step 1's last
+    # hop on the driver accumulated nothing, so step 2's plan lets microbatch k + 1's loss come
     # before microbatch k's backward through pp rank 0. Step 2's last hop accumulates
     # (the head): its first wait for an earlier microbatch leaves the plan instead of
     # waiting for an action planned after it. From then on the driver plans the last

@@ -1,5 +1,8 @@
-// The pipeline's serving and dispatch (smp_core/dispatch.h) over real P2P engines on
-// loopback: ranks are threads, tasks are threads, no mocks.
+// The pipeline's serving and driving (smp_core/dispatch.cpp: Note [Serving]) over real
+// P2P engines on loopback: ranks are threads, tasks are threads, no mocks. The
+// dispatcher's other parts have tests of their own: plan_execution_test.cpp,
+// gradient_order_test.cpp, served_backward_test.cpp, step_end_test.cpp,
+// dispatch_stats_test.cpp.
 #include "smp_core/dispatch.h"
 
 #include <gtest/gtest.h>
@@ -12,36 +15,18 @@
 #include <set>
 #include <thread>
 
+#include "../common/dispatch_helpers.h"
 #include "../common/gloo_world.h"
 #include "smp_core/errors.h"
-#include "smp_core/remote_call.h"
 
 namespace smp {
 namespace {
 
+using testing::answer_of;
+using testing::make;
 using testing::run_gloo_world;
-
-constexpr uint32_t bit(int kind) { return 1u << kind; }
-
-Message make(int64_t mb, int64_t call, int32_t kind, std::vector<at::Tensor> tensors = {}) {
-  Message m;
-  m.mb = mb, m.call_id = call, m.kind = kind;
-  m.tensors = std::move(tensors);
-  return m;
-}
-
-Schedule schedule(ScheduleKind kind, int64_t mbs, int64_t stages, int64_t active = 3) {
-  return Schedule(ScheduleOptions{kind, mbs, stages, active});
-}
-
-// Runs every spawned body on a detached thread of its own; the dispatcher joins them.
-void spawn_thread(std::function<void()> body) { std::thread(std::move(body)).detach(); }
-
-// The answer a test handler gives: the request's first tensor times 2 (forward) or 3.
-Message answer_of(const Message& req) {
-  const bool fwd = req.kind == kRequest;
-  return make(0, 0, fwd ? kResponse : kBackwardResponse, {req.tensors.at(0) * (fwd ? 2 : 3)});
-}
+using testing::schedule;
+using testing::spawn_thread;
 
 TEST(Dispatch, ServesEveryRequestOnOneLeaderAndDrivesInOrderWithinTheWindow) {
   constexpr int64_t kMbs = 7;
@@ -241,215 +226,6 @@ TEST(Dispatch, LongStepWithOneLeaderIsNotATimeout) {
       p2p->send(1, make(-1, 0, kStepEnd));
     } else {
       EXPECT_EQ(d.serve_step().kind, kStepEnd);  // 2.4 s of serving, timeout 1 s
-    }
-  });
-}
-
-// Note [Served backward] and Note [Arming at the first backward]: a call whose forward
-// kept its input leaf and output is served backward in C++ (the handler never sees a
-// backward request), its input gradient comes back, its parameter's gradients sum over
-// the microbatches, and the step's arm runs once, before the first accumulation.
-TEST(Dispatch, KeptCallsAreServedBackwardInCppAndArmOnce) {
-  constexpr int64_t kMbs = 4;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "served", r, 2, 20);
-    at::Tensor w = at::ones({4}).set_requires_grad(true);
-    std::atomic<int> handled{0}, armed{0};
-    std::atomic<bool> grad_before_arm{false};
-    std::shared_ptr<Dispatcher> d;
-    d = std::make_shared<Dispatcher>(
-        p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2),
-        [&](const Message& req) {
-          ++handled;
-          EXPECT_EQ(req.kind, kRequest) << "a kept call's backward reached the handler";
-          at::Tensor x = req.tensors.at(0).clone().set_requires_grad(true);
-          at::Tensor y = x * w * 2;
-          d->keep_for_backward(req.src, req.mb, req.call_id, {x}, {y});
-          return make(0, 0, kResponse, {y.detach()});
-        },
-        spawn_thread);
-    if (r == 1) {
-      d->order_gradients({w});
-      d->arm_at_first_backward([&] {
-        ++armed;
-        grad_before_arm = w.grad().defined();
-      });
-    }
-    d->begin_step(kMbs);
-    if (r == 0) {
-      d->drive([&](int64_t mb) {
-        const float v = static_cast<float>(mb + 1);
-        p2p->send(1, make(mb, mb, kRequest, {at::full({4}, v)}));
-        Message out = d->wait(mb, mb, kResponse, false, "the forward answer");
-        EXPECT_TRUE(out.tensors.at(0).equal(at::full({4}, 2 * v)));
-        Message back = make(mb, mb, kBackwardRequest, {at::full({4}, 1.f)});
-        back.meta = gradient_flags({true});
-        p2p->send(1, back);
-        Message in = d->wait(mb, mb, kBackwardResponse, true, "the backward answer");
-        ASSERT_EQ(in.kind, kBackwardResponse);
-        EXPECT_EQ(parse_gradient_flags(in.meta, 1, "x"), std::vector<bool>{true});
-        EXPECT_TRUE(in.tensors.at(0).equal(at::full({4}, 2.f)));  // d(2xw)/dx
-      });
-      p2p->send(1, make(-1, 0, kStepEnd));
-    } else {
-      EXPECT_EQ(d->serve_step().kind, kStepEnd);
-      EXPECT_EQ(handled.load(), 4);
-      EXPECT_EQ(armed.load(), 1);
-      EXPECT_FALSE(grad_before_arm.load());
-      EXPECT_TRUE(w.grad().equal(at::full({4}, 2.f * (1 + 2 + 3 + 4))));
-      EXPECT_EQ(d->stats().native_backwards, 4);
-      d->arm_now();  // it ran: not again
-      EXPECT_EQ(armed.load(), 1);
-      EXPECT_TRUE(d->disarm());
-      EXPECT_FALSE(d->disarm());
-    }
-  });
-}
-
-// A served backward that fails answers the caller with the failure encoder's error and
-// the rank goes on serving; an arm that never ran is reported as such.
-TEST(Dispatch, FailingServedBackwardAnswersWithTheEncodedError) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "served_fail", r, 2, 20);
-    std::shared_ptr<Dispatcher> d;
-    d = std::make_shared<Dispatcher>(
-        p2p, schedule(ScheduleKind::kInterleaved, 2, 2),
-        [&](const Message& req) {
-          at::Tensor x = req.tensors.at(0).clone();  // no graph: its backward must fail
-          d->keep_for_backward(req.src, req.mb, req.call_id, {x}, {x * 2});
-          return make(0, 0, kResponse, {x});
-        },
-        spawn_thread);
-    d->set_failure_encoder([](std::exception_ptr e, int64_t, bool) {
-      try {
-        std::rethrow_exception(e);
-      } catch (const std::exception& ex) {
-        return std::string("encoded: ") + ex.what();
-      }
-    });
-    int arms = 0;
-    d->arm_at_first_backward([&] { ++arms; });
-    d->begin_step(2);
-    if (r == 0) {
-      d->drive([&](int64_t mb) {
-        p2p->send(1, make(mb, mb, kRequest, {at::ones({2})}));
-        d->wait(mb, mb, kResponse, false, "the forward answer");
-        Message back = make(mb, mb, kBackwardRequest, {at::ones({2})});
-        back.meta = gradient_flags({true});
-        p2p->send(1, back);
-        Message in = d->wait(mb, mb, kBackwardResponse, true, "the backward answer");
-        EXPECT_EQ(in.kind, kError);
-        EXPECT_EQ(in.meta.rfind("encoded: ", 0), 0u) << in.meta;
-      });
-      p2p->send(1, make(-1, 0, kStepEnd));
-    } else {
-      EXPECT_EQ(d->serve_step().kind, kStepEnd);  // both microbatches were answered
-      EXPECT_EQ(d->stats().native_backwards, 2);
-    }
-    EXPECT_EQ(arms, 0);
-    EXPECT_FALSE(d->disarm());
-  });
-}
-
-// Note [Step end]: the microbatches' shares reach every pp rank in one kStepEnd, in
-// microbatch order whatever order the bodies finished in; a body's error aborts the step
-// on every rank instead, the first error only.
-TEST(Dispatch, DriveStepSendsOneStepEndOrTheFirstError) {
-  constexpr int64_t kMbs = 4;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "step_end", r, 2, 20);
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
-    for (const bool fail : {false, true}) {
-      d.begin_step(kMbs);
-      p2p->begin_step(fail ? 2 : 1);
-      if (r == 0) {
-        const bool ended = d.drive_step([&](int64_t mb) {
-          // Later microbatches finish first.
-          std::this_thread::sleep_for(std::chrono::milliseconds(5 * (kMbs - mb)));
-          if (fail && mb >= 1) {  // 1 failed first (its error is sent); 2 and 3 know it did
-            Message abort = make(mb, 0, kAbort);
-            if (mb == 1) abort.meta = "boom in microbatch 1";
-            return abort;
-          }
-          Message part = make(mb, 0, kStepEnd, std::vector<at::Tensor>(mb, at::full({2}, float(mb))));
-          part.meta = std::string(static_cast<size_t>(mb) + 1, static_cast<char>('a' + mb));
-          return part;
-        });
-        EXPECT_EQ(ended, !fail);
-        if (fail)  // the driver's own tasks see the abort too
-          EXPECT_EQ(p2p->recv(kAny, kAny, bit(kAbort), "the abort").meta, "boom in microbatch 1");
-      } else {
-        Message end = d.serve_step();
-        if (fail) {
-          EXPECT_EQ(end.kind, kAbort);
-          EXPECT_EQ(end.meta, "boom in microbatch 1");
-        } else {
-          ASSERT_EQ(end.kind, kStepEnd);
-          const auto parts = Dispatcher::step_end_parts(end);
-          ASSERT_EQ(parts.size(), static_cast<size_t>(kMbs));
-          for (int64_t mb = 0; mb < kMbs; ++mb) {
-            EXPECT_EQ(parts[mb].meta, std::string(static_cast<size_t>(mb) + 1, static_cast<char>('a' + mb)));
-            ASSERT_EQ(parts[mb].tensors.size(), static_cast<size_t>(mb));
-            for (const auto& t : parts[mb].tensors) EXPECT_TRUE(t.equal(at::full({2}, float(mb))));
-          }
-        }
-      }
-    }
-  });
-}
-
-// Note [Step's finish]: the finish runs once per step that ends well, on the driver and
-// on the serving rank, told whether a backward ran anywhere (the OR of the parts'
-// flags); it never runs for an aborted step, and a step's finish is taken off by running.
-TEST(Dispatch, StepFinishRunsOnceWhereTheStepEndsWell) {
-  constexpr int64_t kMbs = 3;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "finish", r, 2, 20);
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
-    // Steps: no backward; a backward in microbatch 1 only; an aborted step.
-    int64_t epoch = 0;
-    for (const int kind : {0, 1, 2}) {
-      std::vector<int> ran;  // each call's backward flag
-      d.begin_step(kMbs);
-      p2p->begin_step(++epoch);
-      d.finish_at_step_end([&ran](bool backward) { ran.push_back(backward ? 1 : 0); });
-      EXPECT_FALSE(d.finish_began());
-      if (r == 0) {
-        d.drive_step([&](int64_t mb) {
-          if (kind == 2) {
-            Message abort = make(mb, 0, kAbort);
-            if (mb == 0) abort.meta = "boom";
-            return abort;
-          }
-          return make(mb, (kind == 1 && mb == 1) ? 1 : 0, kStepEnd);
-        });
-        if (kind == 2) p2p->recv(kAny, kAny, bit(kAbort), "the abort");
-      } else {
-        d.serve_step();
-      }
-      if (kind == 2) {
-        EXPECT_TRUE(ran.empty()) << "rank " << r;
-        EXPECT_FALSE(d.finish_began());
-        d.disarm();  // the caller drops the step's finish
-      } else {
-        ASSERT_EQ(ran.size(), 1u) << "rank " << r << " step " << kind;
-        EXPECT_EQ(ran[0], kind) << "rank " << r;
-        EXPECT_TRUE(d.finish_began());
-      }
-    }
-      // A finish is taken off by running: a good step runs it, the next step (none set)
-    // runs nothing, and finish_began() is false again from that step's begin_step().
-    int runs = 0;
-    for (const bool set : {true, false}) {
-      d.begin_step(kMbs);
-      p2p->begin_step(++epoch);
-      if (set) d.finish_at_step_end([&runs](bool) { ++runs; });
-      if (r == 0)
-        d.drive_step([](int64_t mb) { return make(mb, 1, kStepEnd); });
-      else
-        d.serve_step();
-      EXPECT_EQ(runs, 1) << "rank " << r;
-      EXPECT_EQ(d.finish_began(), set) << "rank " << r;
     }
   });
 }

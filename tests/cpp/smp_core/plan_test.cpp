@@ -309,8 +309,9 @@ TEST(Plan, ZeroBubbleHasLessBubbleThanOneFOneB) {
 }
 
 // The plan the runtime executes under zero_bubble (Note [Zero bubble at run time] in
-// smp_core/dispatch.cpp): the driver's hops run B whole, the serving ranks' split; only
-// what accumulates keeps microbatch order; and it is no slower than 1F1B's runtime plan.
+// smp_core/detail/served_backward.cpp): the driver's hops run B whole, the serving
+// ranks' split; only what accumulates keeps microbatch order; and it is no slower than
+// 1F1B's runtime plan.
 TEST(Plan, ZeroBubbleAtRunTimeSplitsTheServingRanksOnly) {
   for (const auto& path : std::vector<std::vector<int64_t>>{{0, 1, 0}, {0, 1, 0, 2, 0, 3, 0}})
     for (int64_t mb : {2, 4, 8}) {

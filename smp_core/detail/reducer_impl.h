@@ -1,6 +1,7 @@
 // Reducer::Impl and what the reducer's sources share. Included only from
-// smp_core/reducer.cpp (construction, bucket arming, the normal step) and
-// smp_core/detail/reducer_*.cpp: default_hooks (the default allreduce hooks), rebuild
+// smp_core/reducer.cpp (bucket arming, the normal step) and
+// smp_core/detail/reducer_*.cpp: build (construction: checks, buckets, autograd hooks),
+// default_hooks (the default allreduce hooks), rebuild
 // (Note [Bucket rebuild]), shadow (join's shadow step), pipeline (Note [Pipeline
 // overlap]).
 //
@@ -165,7 +166,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   Impl(std::vector<at::Tensor> ps, ProcessGroupPtr g, ReducerOptions o)
       : params(std::move(ps)), pg(std::move(g)), opts(std::move(o)) {}
 
-  // reducer.cpp: construction, bucket arming, the normal step.
+  // detail/reducer_build.cpp: construction.
   void init();
   // Note [Reduce to owner]: with owners, each bucket's parameters grouped by owner
   // (stable; owners in rank order, every-rank ones last); else `layout` itself.
@@ -176,6 +177,8 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   void verify_across_ranks(const std::vector<int64_t>& order);
   void build_buckets(std::vector<std::vector<int64_t>> new_layout);
   void make_arena(const std::vector<std::vector<int64_t>>& for_layout);
+
+  // reducer.cpp: bucket arming, the normal step.
   void on_grad_ready(int64_t i);
   void mark_ready_locked(int64_t i);
   void launch_ready_locked();

@@ -593,49 +593,6 @@ TEST(Reducer, NoRebuildWhenTheOrderWasRight) {
   });
 }
 
-// --- cross-rank verification -------------------------------------------------------------
-
-TEST(Reducer, ShapeMismatchThrowsOnEveryRank) {
-  std::atomic<int> raised{0};
-  run_gloo_world(3, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
-    Shapes shapes = {{2}, {4, 8}, {3}};
-    if (r == 2) shapes[1] = {4, 9};
-    auto ps = make_params(shapes);
-    try {
-      Reducer red(ps, pg);
-      ADD_FAILURE() << "rank " << r << " built a reducer";
-    } catch (const CommError& e) {
-      EXPECT_STREQ(e.what(),
-                   "smp: Reducer: parameter 1 is Float[4, 8] on dp rank 0 but Float[4, 9] on "
-                   "dp rank 2 (every rank must pass the same parameters in the same order)");
-      ++raised;
-    }
-  });
-  EXPECT_EQ(raised.load(), 3);
-  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
-    auto ps = make_params(r == 0 ? Shapes{{2}, {3}} : Shapes{{2}});
-    try {
-      Reducer red(ps, pg);
-      ADD_FAILURE() << "rank " << r << " built a reducer";
-    } catch (const CommError& e) {
-      EXPECT_STREQ(e.what(),
-                   "smp: Reducer: dp rank 0 has 2 parameters but dp rank 1 has 1 (every rank "
-                   "must pass the same parameters in the same order)");
-    }
-  });
-}
-
-TEST(Reducer, RejectsBadParameters) {
-  run_gloo_world(1, [&](int, const ProcessGroupPtr& pg, const StorePtr&) {
-    auto ps = make_params({{2}});
-    EXPECT_THROW(Reducer({ps[0], ps[0]}, pg), ConfigError);
-    EXPECT_THROW(Reducer({torch::ones({2})}, pg), ConfigError);
-    ReducerOptions o;
-    o.expected_order = {1};
-    EXPECT_THROW(Reducer(ps, pg, o), ConfigError);
-  });
-}
-
 // --- Join shadow step --------------------------------------------------------------------
 
 TEST_P(ReducerPaths, ShadowStepMatchesAPeersCollectives) {

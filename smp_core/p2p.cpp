@@ -1,3 +1,16 @@
+// The pipeline engine's transport and mailbox: the mesh's sockets, send() as one
+// gathered write (Note [Wire format], Note [Layout travels]), a receiver thread per peer
+// reading each message straight into fresh tensors, the mailbox and recv() (Note
+// [Receive order], Note [Step epochs]). The compute token is detail/compute_token.cpp's;
+// both share P2PEngine::Impl (detail/p2p_impl.h).
+//
+// Threads: receive_loop() runs on the receiver threads this engine starts, one per peer,
+// and is the only reader of its socket; send() on any thread, one sender per peer at a
+// time under that peer's `send_mu` (never with `mu` held; a c10d payload goes under it
+// too, in descriptor order); recv() on any task thread, waiting on its own condition
+// variable (Note [Targeted wakeups]) and, with `yield_token`, giving up the compute
+// token meanwhile. State: the mailbox, its waiters, `fatal`, `epoch` and the stats under
+// `mu`; the payload group under `mu` too (set once, right after construction).
 #include "smp_core/p2p.h"
 #include "smp_core/scheduler.h"
 
@@ -16,6 +29,7 @@
 
 #include "smp_common/auth.h"
 #include "smp_core/comm.h"
+#include "smp_core/detail/p2p_impl.h"
 #include "smp_core/detail/tcp_mesh.h"
 #include "smp_core/detail/wire.h"
 #include "smp_core/errors.h"
@@ -81,261 +95,114 @@ constexpr std::chrono::milliseconds kFatalGrace{1000};
 
 }  // namespace
 
-struct P2PEngine::Impl {
-  double timeout_s;
-  int rank, size;
+bool P2PEngine::Impl::by_c10d(const at::Tensor& t) const {
+  if (transport == PayloadTransport::kC10d) return true;
+  return transport == PayloadTransport::kAuto && !t.device().is_cpu();
+}
 
-  std::vector<int> fds;                              // one socket per peer (-1: self)
-  std::vector<std::unique_ptr<std::mutex>> send_mu;  // one per peer
-  std::vector<std::thread> receivers;
+c10::intrusive_ptr<c10d::ProcessGroup> P2PEngine::Impl::payload_group(int peer) {
+  std::unique_lock<std::mutex> lock(mu);
+  const auto limit = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  if (!payload_set.wait_for(lock, limit, [&] { return payload_pg || stopping; }) || !payload_pg)
+    throw CommError(str_cat("smp: pp rank ", peer, " sent a tensor by c10d send/recv but "
+                            "this rank has no payload group (config 'p2p_transport' differs "
+                            "between ranks?)"));
+  return payload_pg;
+}
 
-  std::mutex mu;  // guards everything below
-  std::deque<Message> mailbox;
-  // Note [Targeted wakeups]: every waiting task has its own condition variable, and a
-  // new message or a released token wakes only the tasks it concerns: with a dozen
-  // microbatch tasks per rank, waking all of them on every event costs real CPU.
-  struct MailWaiter {
-    int64_t mb, call_id;
-    uint32_t mask;
-    std::condition_variable cv;
-  };
-  std::vector<MailWaiter*> mail_waiters;
-  std::string fatal;  // set when a receiver failed: every wait throws it
-  // When. Note [Late messages after a peer left]: a wait throws `fatal` only once
-  // kFatalGrace has passed with nothing for it arriving.
-  std::chrono::steady_clock::time_point fatal_since;
-  bool stopping = false;
-  int64_t epoch = 0;  // current step (Note [Step epochs])
+void P2PEngine::Impl::wait_payload(const c10::intrusive_ptr<c10d::Work>& work,
+                                   const std::string& what) {
+  wait_work(work, timeout_s, what);
+}
 
-  // Compute token.
-  bool token_held = false;
-  std::thread::id token_owner;  // the thread holding the token
-  // The holder's task (task.h): its random stream is installed when it takes the
-  // token and saved when it gives it up (Note [Microbatch random streams]); nullptr:
-  // a thread with no task, nothing to swap.
-  TaskContext* token_task = nullptr;
-  std::chrono::steady_clock::time_point token_since;
-  struct TokenWaiter {
-    int64_t priority;
-    uint64_t ticket;
-    std::condition_variable cv;
-  };
-  std::vector<TokenWaiter*> token_waiters;
-  uint64_t next_ticket = 0;
-  int64_t token_priority = -1;  // the holder's
-  std::chrono::steady_clock::time_point last_grant = std::chrono::steady_clock::now();
-  // Note [Planned token order].
-  bool ordered = false;
-  int64_t next_planned = 0;
-  std::vector<int64_t> grants;  // planned positions granted, in order
-
-  Stats stats;
-
-  // Note [Payload transports] in p2p.h.
-  c10::intrusive_ptr<c10d::ProcessGroup> payload_pg;
-  PayloadTransport transport = PayloadTransport::kTcp;
-  at::Device device{at::kCPU};
-  std::condition_variable payload_set;
-
-  bool by_c10d(const at::Tensor& t) const {
-    if (transport == PayloadTransport::kC10d) return true;
-    return transport == PayloadTransport::kAuto && !t.device().is_cpu();
-  }
-
-  // The payload group; a peer may send before this rank has set it (every rank sets it
-  // right after the engine's construction), so the receiver waits for it.
-  c10::intrusive_ptr<c10d::ProcessGroup> payload_group(int peer) {
-    std::unique_lock<std::mutex> lock(mu);
-    const auto limit = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-    if (!payload_set.wait_for(lock, limit, [&] { return payload_pg || stopping; }) || !payload_pg)
-      throw CommError(str_cat("smp: pp rank ", peer, " sent a tensor by c10d send/recv but "
-                              "this rank has no payload group (config 'p2p_transport' differs "
-                              "between ranks?)"));
-    return payload_pg;
-  }
-
-  void wait_payload(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
-    wait_work(work, timeout_s, what);
-  }
-
-  void receive_loop(int peer) {
-    const int fd = fds[peer];
-    try {
-      while (true) {
-        int64_t w[kFixedWords];
-        if (!detail::read_exact(fd, w, sizeof w))
-          throw CommError("the connection was closed");
-        const Header h = decode_header(w);
-        if (h.closing) {  // the peer's engine is shutting down: nothing more will come
-          fail(str_cat("smp: pp rank ", peer, " closed its pipeline engine (seen on pp rank ",
-                       rank, ")"));
-          return;
-        }
-        const int64_t total = h.total;
-        Message m;
-        m.src = peer;
-        m.mb = h.mb;
-        m.call_id = h.call_id;
-        m.kind = h.kind;
-        m.epoch = h.epoch;
-        m.autocast = h.autocast;
-        std::vector<int64_t> desc(static_cast<size_t>(h.n_tensors) * kWordsPerTensor);
-        if (!desc.empty()) read_or_fail(fd, desc.data(), desc.size() * 8);
-        std::vector<TensorSpec> specs;
-        for (int64_t i = 0; i < h.n_tensors; ++i)
-          specs.push_back(decode_tensor(desc.data() + i * kWordsPerTensor, element_size));
-        check_total(h, specs);  // before a byte more is read or allocated
-        m.meta.resize(static_cast<size_t>(h.meta_len));
-        m.rng.resize(static_cast<size_t>(h.rng_len));
-        if (h.meta_len) read_or_fail(fd, m.meta.data(), m.meta.size());
-        if (h.rng_len) read_or_fail(fd, m.rng.data(), m.rng.size());
-        for (const TensorSpec& s : specs) {
-          // Taken under the lock: orders this read of `device` after set_payload_group.
-          c10::intrusive_ptr<c10d::ProcessGroup> group;
-          if (s.by_c10d) group = payload_group(peer);
-          const at::Device where = s.on_cuda ? device : at::Device(at::kCPU);
-          auto tensor = at::empty_strided(
-              s.sizes, s.strides,
-              at::TensorOptions().dtype(static_cast<at::ScalarType>(s.dtype)).device(where));
-          if (s.by_c10d) {
-            std::vector<at::Tensor> one{flat(tensor)};
-            wait_payload(group->recv(one, peer, kPayloadTag),
-                         str_cat("a pipeline tensor from pp rank ", peer, " (c10d recv)"));
-          } else if (s.nbytes) {
-            read_or_fail(fd, tensor.data_ptr(), static_cast<size_t>(s.nbytes));
-          }
-          m.tensors.push_back(std::move(tensor));
-        }
-        std::lock_guard<std::mutex> lock(mu);
-        stats.messages_received++;
-        stats.bytes_received += total;
-        deliver_locked(std::move(m));
+void P2PEngine::Impl::receive_loop(int peer) {
+  const int fd = fds[peer];
+  try {
+    while (true) {
+      int64_t w[kFixedWords];
+      if (!detail::read_exact(fd, w, sizeof w))
+        throw CommError("the connection was closed");
+      const Header h = decode_header(w);
+      if (h.closing) {  // the peer's engine is shutting down: nothing more will come
+        fail(str_cat("smp: pp rank ", peer, " closed its pipeline engine (seen on pp rank ",
+                     rank, ")"));
+        return;
       }
-    } catch (const std::exception& e) {
-      fail(str_cat("smp: lost the pipeline connection to pp rank ", peer, " (on pp rank ", rank,
-                   "): ", first_line(e.what())));
-    }
-  }
-
-  // A peer is gone: every wait from now on throws `why` (the first reason wins; none
-  // while this engine is shutting down itself).
-  void fail(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!stopping && fatal.empty()) {
-      fatal = why;
-      fatal_since = std::chrono::steady_clock::now();
-    }
-    for (auto* w : mail_waiters) w->cv.notify_one();
-    unorder_locked();
-  }
-
-  // Appends `m` and wakes the waiters it matches. Holds mu.
-  void deliver_locked(Message m) {
-    if (ends_order(m)) unorder_locked();  // Note [Planned token order]
-    mailbox.push_back(std::move(m));
-    const Message& back = mailbox.back();
-    for (auto* w : mail_waiters)
-      if (matches(back, w->mb, w->call_id, w->mask)) w->cv.notify_one();
-  }
-
-  // Wakes the waiter that gets the token next. Holds mu.
-  void wake_token_locked() {
-    if (token_held || token_waiters.empty()) return;
-    best_token_waiter()->cv.notify_one();
-  }
-
-  // A message after which this step's token order must be off (kept in the mailbox
-  // like them, so that order_token(true) after it arrived stays off too).
-  bool ends_order(const Message& m) const {
-    return m.epoch == epoch && (m.kind == kAbort || m.kind == kStepEnd || m.kind == kPlanOff);
-  }
-
-  void unorder_locked() {
-    if (!ordered) return;
-    ordered = false;
-    wake_token_locked();
-  }
-
-  // Note [Planned token order]: whether `w` may take the free token now.
-  bool may_take_locked(TokenWaiter* w) {
-    return !token_held && best_token_waiter() == w && (!ordered || w->priority <= next_planned);
-  }
-
-  TokenWaiter* best_token_waiter() {
-    TokenWaiter* best = token_waiters.front();
-    for (auto* w : token_waiters)
-      if (w->priority < best->priority ||
-          (w->priority == best->priority && w->ticket < best->ticket))
-        best = w;
-    return best;
-  }
-
-  bool matches(const Message& m, int64_t mb, int64_t call_id, uint32_t mask) const {
-    if (m.epoch != epoch || !(mask & (1u << m.kind))) return false;
-    bool step_level = m.kind == kStepEnd || m.kind == kAbort || m.kind == kPlanOff;
-    if (!step_level && mb != kAny && m.mb != mb) return false;
-    return call_id == kAny || m.call_id == call_id;
-  }
-
-  // Token helpers; `lock` holds mu.
-  // `task`: the task taking the token (its thread's, or the holder's when a thread
-  // works for the holder).
-  void acquire_locked(std::unique_lock<std::mutex>& lock, int64_t priority, TaskContext* task) {
-    TokenWaiter me{priority, next_ticket++, {}};
-    token_waiters.push_back(&me);
-    struct Unregister {
-      std::vector<TokenWaiter*>& waiters;
-      TokenWaiter* w;
-      ~Unregister() { waiters.erase(std::find(waiters.begin(), waiters.end(), w)); }
-    } unregister{token_waiters, &me};
-    const auto limit = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-    while (!may_take_locked(&me)) {
-      // Under a plan a turn can be missed for good only if the step went wrong, and
-      // then nothing moves: no token hand-over for the timeout ends the wait (a wait
-      // by priority always ends: some task holds the token and gives it back).
-      if (!ordered) {
-        me.cv.wait(lock);
-        continue;
+      const int64_t total = h.total;
+      Message m;
+      m.src = peer;
+      m.mb = h.mb;
+      m.call_id = h.call_id;
+      m.kind = h.kind;
+      m.epoch = h.epoch;
+      m.autocast = h.autocast;
+      std::vector<int64_t> desc(static_cast<size_t>(h.n_tensors) * kWordsPerTensor);
+      if (!desc.empty()) read_or_fail(fd, desc.data(), desc.size() * 8);
+      std::vector<TensorSpec> specs;
+      for (int64_t i = 0; i < h.n_tensors; ++i)
+        specs.push_back(decode_tensor(desc.data() + i * kWordsPerTensor, element_size));
+      check_total(h, specs);  // before a byte more is read or allocated
+      m.meta.resize(static_cast<size_t>(h.meta_len));
+      m.rng.resize(static_cast<size_t>(h.rng_len));
+      if (h.meta_len) read_or_fail(fd, m.meta.data(), m.meta.size());
+      if (h.rng_len) read_or_fail(fd, m.rng.data(), m.rng.size());
+      for (const TensorSpec& s : specs) {
+        // Taken under the lock: orders this read of `device` after set_payload_group.
+        c10::intrusive_ptr<c10d::ProcessGroup> group;
+        if (s.by_c10d) group = payload_group(peer);
+        const at::Device where = s.on_cuda ? device : at::Device(at::kCPU);
+        auto tensor = at::empty_strided(
+            s.sizes, s.strides,
+            at::TensorOptions().dtype(static_cast<at::ScalarType>(s.dtype)).device(where));
+        if (s.by_c10d) {
+          std::vector<at::Tensor> one{flat(tensor)};
+          wait_payload(group->recv(one, peer, kPayloadTag),
+                       str_cat("a pipeline tensor from pp rank ", peer, " (c10d recv)"));
+        } else if (s.nbytes) {
+          read_or_fail(fd, tensor.data_ptr(), static_cast<size_t>(s.nbytes));
+        }
+        m.tensors.push_back(std::move(tensor));
       }
-      const auto since = last_grant;
-      if (me.cv.wait_until(lock, since + limit) == std::cv_status::timeout && ordered &&
-          !may_take_locked(&me) && last_grant == since)
-        throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for the "
-                                   "compute token for planned action #", priority, " on pp rank ",
-                                   rank, " (the plan's turn is at #", next_planned,
-                                   "; Note [Executed plan] in smp_core/dispatch.cpp)"));
+      std::lock_guard<std::mutex> lock(mu);
+      stats.messages_received++;
+      stats.bytes_received += total;
+      deliver_locked(std::move(m));
     }
-    last_grant = std::chrono::steady_clock::now();
-    if (ordered && priority == next_planned) {
-      ++next_planned;
-      grants.push_back(priority);
-    }
-    token_priority = priority;
-    token_held = true;
-    token_owner = std::this_thread::get_id();
-    token_since = std::chrono::steady_clock::now();
-    token_task = task;
-    if (task) task_rng::install(task->rng);
+  } catch (const std::exception& e) {
+    fail(str_cat("smp: lost the pipeline connection to pp rank ", peer, " (on pp rank ", rank,
+                 "): ", first_line(e.what())));
   }
+}
 
-  bool holds_token_locked() const {
-    return token_held && token_owner == std::this_thread::get_id();
+void P2PEngine::Impl::fail(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (!stopping && fatal.empty()) {
+    fatal = why;
+    fatal_since = std::chrono::steady_clock::now();
   }
+  for (auto* w : mail_waiters) w->cv.notify_one();
+  unorder_locked();
+}
 
-  // Only the holder gives the token back: a task whose wait failed (and so did not
-  // take the token back) must not release another task's token on its way out.
-  void release_locked() {
-    if (!holds_token_locked()) return;
-    if (token_task && !token_task->rng.empty())
-      token_task->rng = task_rng::capture_like(token_task->rng);
-    token_task = nullptr;
-    token_held = false;
-    token_priority = -1;
-    stats.token_held_s +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - token_since).count();
-    wake_token_locked();
-  }
-};
+void P2PEngine::Impl::deliver_locked(Message m) {
+  if (ends_order(m)) unorder_locked();  // Note [Planned token order]
+  mailbox.push_back(std::move(m));
+  const Message& back = mailbox.back();
+  for (auto* w : mail_waiters)
+    if (matches(back, w->mb, w->call_id, w->mask)) w->cv.notify_one();
+}
+
+bool P2PEngine::Impl::ends_order(const Message& m) const {
+  return m.epoch == epoch && (m.kind == kAbort || m.kind == kStepEnd || m.kind == kPlanOff);
+}
+
+bool P2PEngine::Impl::matches(const Message& m, int64_t mb, int64_t call_id,
+                              uint32_t mask) const {
+  if (m.epoch != epoch || !(mask & (1u << m.kind))) return false;
+  bool step_level = m.kind == kStepEnd || m.kind == kAbort || m.kind == kPlanOff;
+  if (!step_level && mb != kAny && m.mb != mb) return false;
+  return call_id == kAny || m.call_id == call_id;
+}
 
 P2PEngine::P2PEngine(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank,
                      int size, double timeout_s, const std::string& master_addr)
@@ -563,54 +430,6 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
     return m;
   }
   return take(it);
-}
-
-void P2PEngine::acquire_token(int64_t priority) {
-  std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->acquire_locked(lock, priority, current_task());
-}
-
-int64_t P2PEngine::token_microbatch() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->token_held && impl_->token_task ? impl_->token_task->mb.load() : -1;
-}
-
-void P2PEngine::release_token() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->release_locked();
-}
-
-void P2PEngine::order_token(bool on) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  auto& I = *impl_;
-  if (!on) return I.unorder_locked();
-  for (const Message& m : I.mailbox)
-    if (I.ends_order(m)) return;  // the step already ended or left its plan
-  if (!I.fatal.empty()) return;
-  I.ordered = true;
-  I.next_planned = 0;
-  I.grants.clear();
-  I.last_grant = std::chrono::steady_clock::now();
-}
-
-bool P2PEngine::token_ordered() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->ordered;
-}
-
-int64_t P2PEngine::next_planned() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->ordered ? impl_->next_planned : -1;
-}
-
-std::vector<int64_t> P2PEngine::planned_grants() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->grants;
-}
-
-int64_t P2PEngine::token_priority() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->token_held ? impl_->token_priority : -1;
 }
 
 void P2PEngine::begin_step(int64_t epoch) {

@@ -89,7 +89,7 @@ bench: build
 # leaves its input in build-fuzz/crashes/ and fails the target. `make test` replays the
 # checked-in corpus and crashes in the normal build (tests/cpp/fuzz).
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := config control_line wire checkpoint
+FUZZ_TARGETS := config control_line wire call_meta checkpoint
 fuzz:
 	@$(MAKE) --no-print-directory deb-deps DEB_PACKAGES="clang-14 libclang-rt-14-dev $(DEB_PACKAGES)"
 	cmake -S tests/fuzz -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo

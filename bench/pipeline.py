@@ -183,7 +183,7 @@ def run_pipeline(steps, overlap=True):
     # Python<->C++ crossings through the dispatcher per microbatch (issue 21: <= 3).
     crossings = round((d1.crossings - d0.crossings) / max(d1.microbatches - d0.microbatches, 1), 2)
     # Timed steps that executed the plan as written, and that left it (Note [Executed
-    # plan] in smp_core/dispatch.cpp).
+    # plan] in smp_core/detail/plan_execution.cpp).
     planned = [d1.planned_steps - d0.planned_steps, d1.plan_fallbacks - d0.plan_fallbacks]
     # The share of each step this rank's compute token was held: 1 minus it is the
     # rank's measured bubble (plus its waits for the token's hand-over).

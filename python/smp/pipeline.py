@@ -362,8 +362,8 @@ class Engine:
         # order] in smp_core/dispatch.h): the same job twice gives the same numbers.
         cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
         # With config 'pipeline_order' "planned", a step that trains executes the plan
-        # of the calls the last one made (Note [Executed plan] in smp_core/dispatch.cpp);
-        # evaluation runs in the dynamic order.
+        # of the calls the last one made (Note [Executed plan] in
+        # smp_core/detail/plan_execution.cpp); evaluation runs in the dynamic order.
         self.dispatch.begin_step(len(mb_inputs) if pp_rank() == 0 else self.cfg.microbatches,
                                  deterministic=True, rng_cuda=cuda_rng,
                                  planned=self._planned and torch.is_grad_enabled())

@@ -465,7 +465,9 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
         std::lock_guard<std::mutex> lock(I.mu);
         I.exec.nested_seen = true;
       }
-      I.leave_plan();  // no plan has nested calls
+      I.leave_plan(str_cat("pp rank ", msg.src, " called back into pp rank ", I.p2p->rank(),
+                           " (microbatch ", msg.mb, ") while it awaited an answer: no plan has "
+                           "nested calls"));
       I.run_held(msg);
       continue;
     }

@@ -241,6 +241,9 @@ class Dispatcher {
   std::vector<std::string> planned_actions() const;
   std::vector<std::string> executed_actions() const;
   std::string plan_text(const FailedCell* failed = nullptr) const;
+  // Note [Leaving the plan]: what last made a step leave its plan on this rank's word
+  // ("" if none did here; Stats::plan_fallbacks counts every departure).
+  std::string plan_departure() const;
 
  private:
   struct Impl;

@@ -595,6 +595,7 @@ void bind_pipeline(py::module_& m) {
       // Note [Executed plan] (smp_core/dispatch.cpp).
       .def("planned_actions", &Dispatcher::planned_actions)
       .def("executed_actions", &Dispatcher::executed_actions)
+      .def("plan_departure", &Dispatcher::plan_departure)  // Note [Leaving the plan]
       // `cell`: (pp rank, microbatch, backward) or, for a W, (..., True, True).
       .def("plan_text", [](const Dispatcher& d, std::optional<py::tuple> cell) {
              if (!cell || cell->size() < 3) return d.plan_text();

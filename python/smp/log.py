@@ -132,6 +132,21 @@ def log_partition(module_table, owner, partitions, table_fn, rank):
         logger.debug("smp: partition plan\n%s", table_fn())
 
 
+_departures = [0]
+
+
+def log_plan_departure(step, why, rank):
+    """Note [Leaving the plan] (smp_core/detail/plan_execution.cpp): a training step whose
+    calls departed from its plan. A warning the first time (the model's control flow
+    differs between steps or microbatches), then at INFO."""
+    _departures[0] += 1
+    level = logging.WARNING if _departures[0] == 1 else logging.INFO
+    get_logger("pipeline").log(
+        level, "smp: step %d left its pipeline plan on rank %d: %s. The rest of the step ran "
+        "in the schedule's dynamic order (same numbers); the next step is planned from this "
+        "step's calls where every microbatch made the same ones", step, rank, why)
+
+
 def log_plan(text, rank):
     """Logs the pipeline plan a step executed (Note [Executed plan] in
     smp_core/detail/plan_execution.cpp): its first line at INFO, every rank's actions at

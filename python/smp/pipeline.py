@@ -167,6 +167,8 @@ class Engine:
         self._planned = self.cfg.pipeline_order == "planned"
         self._new_plans = 0       # the driver's, at its last step (_log_new_plan)
         self._plan_logged = None
+        self._fallbacks = 0       # Stats::plan_fallbacks at the last step (_log_departure)
+        self._planned_seen = 0    # Stats::planned_steps after the last step (log_failure)
 
     def _set_payload_transport(self, pp_ranks):
         """Note [Payload transports] in smp_core/p2p.h: with config 'p2p_transport'
@@ -196,10 +198,13 @@ class Engine:
         """Every rank logs the step x rank table with the failing cell marked."""
         cell = getattr(exc, "_smp_cell", None)
         try:
-            table = self.schedule.grid([], tuple(cell[:3]) if cell else None)
-            # The plan the step executed, its failing action marked (Note [Executed plan]).
-            if self.dispatch.stats().planned_steps:
-                table += "executed " + self.dispatch.plan_text(tuple(cell) if cell else None)
+            # The plan the step executed, its failing action marked (Note [Executed plan]):
+            # the lists that ran, not a model of them. A step in the dynamic order shows
+            # the schedule's model of that order.
+            planned = self.dispatch.stats().planned_steps > self._planned_seen
+            table = self.dispatch.plan_text(tuple(cell) if cell else None) if planned else ""
+            table = ("executed " + table) if table else \
+                "dynamic order (modelled) " + self.schedule.grid([], tuple(cell[:3]) if cell else None)
         except Exception as e:  # the table must never hide the error itself
             table = f"(no schedule table: {e})\n"
         phase = "forward" if not cell or not cell[2] else (
@@ -368,7 +373,10 @@ class Engine:
                                  deterministic=True, rng_cuda=cuda_rng,
                                  planned=self._planned and torch.is_grad_enabled())
         if pp_rank() != 0:
-            return self._serve_step()
+            try:
+                return self._serve_step()
+            finally:
+                self._log_departure(self.dispatch.stats())
         out = self._drive(fn, mb_inputs)
         self._log_new_plan()
         return out
@@ -380,11 +388,24 @@ class Engine:
         self.epoch += 1
         self.p2p.begin_step(self.epoch)
 
+    def _log_departure(self, stats):
+        """Note [Leaving the plan] (smp_core/detail/plan_execution.cpp): a step that left
+        its plan says why, on the rank that saw it."""
+        self._planned_seen = stats.planned_steps
+        if stats.plan_fallbacks == self._fallbacks:
+            return
+        self._fallbacks = stats.plan_fallbacks
+        why = self.dispatch.plan_departure()
+        if why:
+            log.log_plan_departure(self.epoch, why, rank())
+
     def _log_new_plan(self):
         """The driver says once which plan its steps execute, and again when it changes.
         Formatting a plan costs ~0.5 ms and runs between steps, on the step's path: only
         a plan unlike the last one (Dispatcher::Stats::new_plans) is formatted."""
-        new = self.dispatch.stats().new_plans
+        stats = self.dispatch.stats()
+        self._log_departure(stats)
+        new = stats.new_plans
         if new == self._new_plans:
             return
         self._new_plans = new

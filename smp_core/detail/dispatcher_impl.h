@@ -189,6 +189,10 @@ struct Dispatcher::Impl {
     std::vector<std::vector<std::pair<int, bool>>> calls;  // driver: this step's, per mb
     std::vector<int64_t> recorded_path;  // driver: the last training step's, if uniform
     bool nested_seen = false;            // driver: served a request this step
+    // Note [Leaving the plan]: why a step last left its plan on this rank's word (empty:
+    // none did, or another rank saw it), and how many steps left it so far.
+    std::string departure;
+    int64_t departures = 0;
     void begin_step(int64_t microbatches, bool planned);
   } exec;
 
@@ -201,7 +205,10 @@ struct Dispatcher::Impl {
     void begin_step(int64_t microbatches, bool deterministic);
   } fwd;
 
-  bool install_plan(int64_t microbatches, const std::vector<int64_t>& path,
+  // Makes `path` this step's plan on this rank. Throws std::logic_error with the plan's
+  // text
+  // if the plan cannot be compiled or does not validate (Note [Plan validation]).
+  void install_plan(int64_t microbatches, const std::vector<int64_t>& path,
                     bool last_hop_accumulates);
   // Driver, drive(): installs the recorded path as this step's plan and announces it.
   void announce_plan(int64_t microbatches);
@@ -213,7 +220,8 @@ struct Dispatcher::Impl {
   void forward_over(int64_t mb);
   int64_t admit(int64_t mb, Phase phase);
   int64_t admit(int64_t mb, int32_t action_phase);
-  void leave_plan() noexcept;
+  // Note [Leaving the plan]: `why` names what departed from it.
+  void leave_plan(const std::string& why) noexcept;
   static constexpr int32_t kOwnWeight = -1;
   std::optional<std::pair<int64_t, int32_t>> next_planned_request();
   void leave_plan_on_word();

@@ -93,7 +93,10 @@ void Dispatcher::Impl::gate() {
   }
   int64_t below = grad.floor.load();
   if (mb <= below) return;  // also: no task holds the token (-1)
-  if (unplanned_wait) leave_plan();  // Note [Last hop's gradients]
+  if (unplanned_wait)  // Note [Last hop's gradients]
+    leave_plan(str_cat("microbatch ", mb, "'s last hop accumulated gradients on the driver, "
+                       "which the plan, made from a step whose last hop held none, did not "
+                       "order"));
   {
     std::lock_guard<std::mutex> lock(mu);
     stats.ordered_waits++;

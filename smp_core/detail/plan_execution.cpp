@@ -54,12 +54,10 @@ using detail::kWeightPhase;
 //  - Leaving the plan: the driver checks each call of a microbatch against the path,
 //    and that the microbatch made them all; any rank checks that each admission is in
 //    its list and that nothing else (a nested request) arrives instead of an answer.
-//    A step that differs (data-dependent control flow) leaves the plan: the rank that
-//    sees it sends kPlanOff to every pp rank, which go on in the dynamic order
-//    (priorities and receive order) for the rest of the step; Stats::plan_fallbacks
-//    counts it. Numbers do not depend on which: a microbatch's random stream and the
-//    order its gradients sum in are fixed either way (Note [Microbatch random streams],
-//    Note [Gradient order]).
+//    A step that differs (data-dependent control flow) leaves the plan, by name (Note
+//    [Leaving the plan]).
+//  - A plan that cannot be compiled or does not validate is an error on every pp rank,
+//    with its lists (Note [Plan validation] in smp_core/plan_validate.cpp).
 //  - A step that runs no backward (begin_step's `planned` false) runs without a plan
 //    and keeps the recorded path for the next training step.
 
@@ -110,9 +108,9 @@ void Dispatcher::Impl::ForwardOrder::begin_step(int64_t microbatches, bool deter
   over.assign(static_cast<size_t>(microbatches), 0);
 }
 
-// Makes `path` this step's plan on this rank; false if the plan cannot be built (then
-// the step runs in the dynamic order).
-bool Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int64_t>& path,
+// Makes `path` this step's plan on this rank (Note [Plan validation]: a plan that cannot
+// run is an error naming why, with its lists, never a quiet fallback).
+void Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int64_t>& path,
                                     bool last_hop_accumulates) {
   const auto& so = schedule.options();
   std::optional<Plan> p;
@@ -124,12 +122,26 @@ bool Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int6
       p = exec.plan;
   }
   if (!p) {
+    const PlanOptions o = executed_plan_options(plan_kind_of(so.kind), microbatches, so.stages,
+                                                so.active_microbatches, path,
+                                                last_hop_accumulates);
+    std::string path_text;
+    for (int64_t r : path) path_text += str_cat(path_text.empty() ? "" : " ", r);
     try {
-      p = Plan::compile(executed_plan_options(plan_kind_of(so.kind), microbatches, so.stages,
-                                              so.active_microbatches, path,
-                                              last_hop_accumulates));
-    } catch (const std::exception&) {
-      return false;
+      p = Plan::compile(o);
+    } catch (const std::exception& e) {
+      throw std::logic_error(str_cat("smp: pp rank ", p2p->rank(), " cannot compile the ",
+                                     plan_kind_name(o.kind), " plan of ", microbatches,
+                                     " microbatches over the path ", path_text,
+                                     " that the last training step's calls took: ", e.what()));
+    }
+    try {
+      p->validate();
+    } catch (const std::exception& e) {
+      throw std::logic_error(str_cat("smp: pp rank ", p2p->rank(), ": the ",
+                                     plan_kind_name(o.kind), " plan of ", microbatches,
+                                     " microbatches over the path ", path_text,
+                                     " does not validate: ", e.what(), "\n", p->format()));
     }
   }
   const int64_t me = p2p->rank();
@@ -162,7 +174,6 @@ bool Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int6
   exec.expected_calls = calls_on(path);
   exec.on = true;
   stats.planned_steps++;
-  return true;
 }
 
 // The path the last training step's calls took, as this step's plan, announced to
@@ -176,7 +187,18 @@ void Dispatcher::Impl::announce_plan(int64_t n) {
     if (exec.wanted) path = exec.recorded_path;
     last_hop_grads = grad.last_hop_grads;
   }
-  if (!path.empty() && install_plan(n, path, last_hop_grads)) {
+  if (path.empty()) return;
+  try {
+    install_plan(n, path, last_hop_grads);
+  } catch (const std::exception& e) {
+    // Every pp rank raises it (they wait for this step's requests), then the driver.
+    Message abort;
+    abort.kind = kAbort;
+    abort.meta = encode_error ? encode_error(e.what()) : e.what();
+    tell_pp_ranks(abort, /*to_self=*/false, /*best_effort=*/true);
+    throw;
+  }
+  {
     std::vector<int64_t> words{n, last_hop_grads ? 1 : 0};
     words.insert(words.end(), path.begin(), path.end());
     Message announce;
@@ -194,16 +216,17 @@ void Dispatcher::Impl::plan_arrived(const Message& msg) {
     std::lock_guard<std::mutex> lock(mu);
     zb.weights_owed = true;  // the driver waits for this step's kWeightsDone
   }
-  // The driver's words: microbatches, whether its last hop accumulates, the path.
-  const bool ok = words.size() >= 3 &&
-                  install_plan(words[0], std::vector<int64_t>(words.begin() + 2, words.end()),
-                               words[1] != 0);
-  if (ok) p2p->order_token(true);
-  else leave_plan();
+  // The driver's words: microbatches, whether its last hop accumulates, the path. The
+  // driver compiled and validated the same plan before it sent them.
+  if (words.size() < 3)
+    throw CommError(str_cat("smp: pp rank ", p2p->rank(), " got a plan announcement of ",
+                            words.size(), " words from the driver; it needs at least 3"));
+  install_plan(words[0], std::vector<int64_t>(words.begin() + 2, words.end()), words[1] != 0);
+  p2p->order_token(true);
   bool none_deferred;
   {
     std::lock_guard<std::mutex> lock(mu);
-    none_deferred = !ok || zb.weights_left == 0;
+    none_deferred = zb.weights_left == 0;
   }
   if (none_deferred) report_weights();
 }
@@ -271,6 +294,7 @@ int64_t Dispatcher::Impl::admit(int64_t mb, Phase phase) {
 int64_t Dispatcher::Impl::admit(int64_t mb, int32_t action_phase) {
   const Phase phase = action_phase == static_cast<int32_t>(Phase::kForward) ? Phase::kForward
                                                                             : Phase::kBackward;
+  std::string why;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!exec.on) return schedule.priority(mb, phase);
@@ -278,18 +302,39 @@ int64_t Dispatcher::Impl::admit(int64_t mb, int32_t action_phase) {
     const int64_t n = exec.admitted[key]++;
     auto it = exec.position.find({mb, key.second, n});
     if (it != exec.position.end()) return it->second;
+    why = str_cat("pp rank ", p2p->rank(), " began ",
+                  action_phase == kWeightPhase ? "weight-gradient (W)"
+                  : phase == Phase::kForward   ? "forward"
+                                               : "backward",
+                  " action ", n + 1, " of microbatch ", mb, ", which its list does not hold");
   }
-  leave_plan();
+  leave_plan(why);
   return schedule.priority(mb, phase);
 }
 
-// The step differs from its plan: this rank and every other go on in the dynamic order.
-void Dispatcher::Impl::leave_plan() noexcept {
+// Note [Leaving the plan]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A step whose calls depart from its plan (control flow that differs between steps: a
+// microbatch that calls other pp ranks, or fewer, or calls back into the driver) cannot
+// walk the plan's lists any further: the actions it would wait for never come. The rank
+// that sees it says so to every pp rank (kPlanOff) and each goes on by the schedule's
+// priorities for the rest of the step; the numbers are the same either way (Note
+// [Microbatch random streams], Note [Gradient order]). It is never silent: the rank
+// keeps `why` (Dispatcher::plan_departure(); Stats::plan_fallbacks counts it) and the
+// Python runtime logs it with the step, and the next training step is planned from
+// this step's calls when they are uniform (record_path: re-planned), or runs unplanned
+// (Stats::unplanned_steps) when they differ between microbatches.
+void Dispatcher::Impl::leave_plan(const std::string& why) noexcept {
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!exec.on) return;
     exec.on = false;
     stats.plan_fallbacks++;
+    try {
+      exec.departure = why;
+    } catch (...) {
+    }
+    exec.departures++;
   }
   p2p->order_token(false);
   Message off;
@@ -332,6 +377,7 @@ void Dispatcher::Impl::leave_plan_quietly() {
 // Driver: microbatch `mb` calls `dst` (a forward or backward call).
 void Dispatcher::Impl::record_call(int64_t mb, int dst, bool backward) {
   bool off = false;
+  std::string why;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (mb < 0 || mb >= static_cast<int64_t>(exec.calls.size())) return;
@@ -339,8 +385,15 @@ void Dispatcher::Impl::record_call(int64_t mb, int dst, bool backward) {
     mine.emplace_back(dst, backward);
     const size_t k = mine.size() - 1;
     off = exec.on && (k >= exec.expected_calls.size() || exec.expected_calls[k] != mine.back());
+    if (off)
+      why = str_cat("microbatch ", mb, "'s call ", k + 1, " went to pp rank ", dst,
+                    backward ? " (backward)" : " (forward)", ", where the plan has ",
+                    k >= exec.expected_calls.size()
+                        ? std::string("no more calls")
+                        : str_cat("pp rank ", exec.expected_calls[k].first,
+                                  exec.expected_calls[k].second ? " (backward)" : " (forward)"));
   }
-  if (off) leave_plan();
+  if (off) leave_plan(why);
 }
 
 // Driver: microbatch `mb` begins its backward (its gradients are about to
@@ -350,6 +403,7 @@ void Dispatcher::Impl::record_call(int64_t mb, int dst, bool backward) {
 void Dispatcher::Impl::backward_begins(int64_t mb) {
   forward_over(mb);  // Note [Forward order]
   bool off = false;
+  std::string why;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!exec.on || mb < 0 || mb >= static_cast<int64_t>(exec.calls.size())) return;
@@ -358,19 +412,26 @@ void Dispatcher::Impl::backward_begins(int64_t mb) {
     size_t made = 0;
     for (const auto& c : exec.calls[mb]) made += !c.second;
     off = made < planned_forward;
+    if (off)
+      why = str_cat("microbatch ", mb, " began its backward after ", made,
+                    " forward calls to other pp ranks; the plan has ", planned_forward);
   }
-  if (off) leave_plan();
+  if (off) leave_plan(why);
 }
 
 // Driver: microbatch `mb`'s step body returned.
 void Dispatcher::Impl::microbatch_over(int64_t mb) {
   bool off = false;
+  std::string why;
   {
     std::lock_guard<std::mutex> lock(mu);
     off = exec.on && mb >= 0 && mb < static_cast<int64_t>(exec.calls.size()) &&
           exec.calls[mb] != exec.expected_calls;
+    if (off)
+      why = str_cat("microbatch ", mb, "'s step body returned after ", exec.calls[mb].size(),
+                    " calls to other pp ranks; the plan has ", exec.expected_calls.size());
   }
-  if (off) leave_plan();
+  if (off) leave_plan(why);
 }
 
 // Driver, after a step: the path its calls describe, for the next training step.
@@ -401,6 +462,11 @@ std::vector<std::string> Dispatcher::executed_actions() const {
     if (i >= 0 && i < static_cast<int64_t>(impl_->exec.admissions.size()))
       out.push_back(impl_->exec.admissions[i].str(/*with_hop=*/true));
   return out;
+}
+
+std::string Dispatcher::plan_departure() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->exec.departure;
 }
 
 std::string Dispatcher::plan_text(const FailedCell* failed) const {

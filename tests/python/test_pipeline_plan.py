@@ -148,7 +148,8 @@ for signs in [(1, 1), (1, -1), (1, 1)]:  # step 2's second microbatch calls pp r
 model = train(Loop(), batches)
 st = model._engine.dispatch.stats()
 print("PLAN " + json.dumps({"rank": smp.rank(), "planned_steps": st.planned_steps,
-                            "fallbacks": st.plan_fallbacks, "planned": [], "executed": []}))
+                            "fallbacks": st.plan_fallbacks, "planned": [], "executed": [],
+                            "departure": model._engine.dispatch.plan_departure()}))
 """
 
 
@@ -156,10 +157,18 @@ print("PLAN " + json.dumps({"rank": smp.rank(), "planned_steps": st.planned_step
 def test_data_dependent_step_leaves_the_plan_and_matches_one_process(ranks, pipeline):
     # zero_bubble: the W pending when the step leaves its plan run at once, in
     # microbatch order (Note [Zero bubble at run time]); the numbers still match.
-    for rep in _reports(ranks(FALLBACK, 2, args=(pipeline,), timeout=180)):
+    results = ranks(FALLBACK, 2, args=(pipeline,), timeout=180)
+    for rep in _reports(results):
         # Step 2 began with step 1's plan and left it; step 3 had no uniform path to
         # plan (step 2's microbatches differed), so it ran in the dynamic order.
         assert rep["planned_steps"] == 1 and rep["fallbacks"] == 1, rep
+    # Note [Leaving the plan]: never silent. The driver saw microbatch 1 call pp rank 1
+    # once where the plan has two calls there, and says so in a warning.
+    driver = _reports(results)[0]
+    assert driver["departure"].startswith("microbatch 1"), driver
+    assert "the plan has" in driver["departure"], driver
+    warned = [l for l in results[0].stderr.splitlines() if "left its pipeline plan" in l]
+    assert len(warned) == 1 and driver["departure"] in warned[0], results[0].stderr[-2000:]
 
 
 HEAD_SOMETIMES = COMMON + r"""

@@ -14,6 +14,9 @@ Runs, each in fresh processes:
   `peak_mb` = peak resident set minus the baseline's; `state_mb` = S, the parameters,
   gradients and AdamW state it holds; `activation_mb` = the bytes saved for backward
   at their peak (saved-tensor hooks); `ratio` = peak / (S + activations), target <= 1.3.
+  The two ranks holding the tied embedding peak one copy of it (131 MB) higher: torch
+  makes each later microbatch's gradient whole before adding it to .grad (Note [One
+  gradient copy per weight] in smp_core/tied_grads.cpp; more in the first step).
   `ratio_max_foreach_off`: the same with AdamW(foreach=False): torch's default
   (foreach) AdamW step allocates temporaries the size of the rank's parameters.
 - `pp1`: the same script with partitions=1 under the same limit: it must fail at once

@@ -28,14 +28,16 @@ class TiedGradients {
   TiedGradients(std::vector<Entry> held, double timeout_s);
 
   // Sets each gradient aside, so the step's backward leaves only this step's
-  // contribution in .grad.
+  // contribution in .grad; a gradient of zeros (zero_grad(set_to_none=False)) stays
+  // in place instead, and the backward adds to it (Note [Zero gradients stay]).
   void begin_step();
   // After the step's backward on every holder: each gradient becomes what it held
   // before the step plus the sum over its holders of this step's contribution
   // (collectives on the holders' groups).
   void sum();
   // Puts back exactly what begin_step() set aside (a step without backward, or a failed
-  // one, whose un-summed contribution is dropped). Local only.
+  // one, whose un-summed contribution is dropped); a gradient left in place is zeroed
+  // again. Local only.
   void restore();
 
   size_t size() const { return held_.size(); }
@@ -43,6 +45,7 @@ class TiedGradients {
  private:
   std::vector<Entry> held_;
   std::vector<at::Tensor> before_;  // per entry: .grad at begin_step (undefined: none)
+  std::vector<char> in_place_;      // per entry: .grad was all zero bits, left in place
   bool stashed_ = false;
   double timeout_s_;
 };

@@ -47,5 +47,48 @@ TEST(TiedGradients, SumsThisStepsContributionsOverTheHolders) {
   });
 }
 
+// Note [Zero gradients stay]: a gradient of zeros (zero_grad(set_to_none=False)) is not
+// set aside: the step adds to it and the sum runs on it, so no second tensor exists, and
+// its bits equal those of the set-aside path, +0 + the sum (signed zeros included).
+TEST(TiedGradients, ZeroGradientsStayInPlaceWithTheSameBits) {
+  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr& pg, const compat::StorePtr&) {
+    auto bits = [](const at::Tensor& t) { return t.view(at::kInt); };
+    auto w = at::zeros({4}).set_requires_grad(true);
+    TiedGradients tied({{"w", w, pg}}, 20);
+    // This step's contributions, -0.0 included: rank 0 {-0, -0, 1.5, 0.1}, rank 1
+    // {-0, +0, -2, 0.2}.
+    const auto mine = r == 0 ? at::tensor({-0.0f, -0.0f, 1.5f, 0.1f})
+                             : at::tensor({-0.0f, 0.0f, -2.0f, 0.2f});
+    const auto other = r == 0 ? at::tensor({-0.0f, 0.0f, -2.0f, 0.2f})
+                              : at::tensor({-0.0f, -0.0f, 1.5f, 0.1f});
+    const auto set_aside = at::zeros({4}).add_(mine + other);  // +0 + the holders' sum
+
+    w.mutable_grad() = at::zeros({4});
+    const void* storage = w.grad().data_ptr();
+    tied.begin_step();
+    ASSERT_TRUE(w.grad().defined());
+    w.mutable_grad().add_(mine);  // as AccumulateGrad adds to a defined .grad
+    tied.sum();
+    EXPECT_EQ(w.grad().data_ptr(), storage) << "a second gradient tensor";
+    EXPECT_TRUE(bits(w.grad()).equal(bits(set_aside))) << w.grad() << set_aside;
+    EXPECT_EQ(bits(w.grad())[0].item<int>(), 0) << "-0 + -0 summed onto +0 is +0";
+
+    // restore() zeroes it again: a failed step's contribution is dropped.
+    w.mutable_grad().zero_();
+    tied.begin_step();
+    w.mutable_grad().add_(mine);
+    tied.restore();
+    EXPECT_EQ(w.grad().data_ptr(), storage);
+    EXPECT_TRUE(bits(w.grad()).equal(bits(at::zeros({4}))));
+
+    // Not all zero bits (a -0.0): set aside as any accumulated gradient.
+    w.mutable_grad() = at::tensor({0.0f, -0.0f, 0.0f, 0.0f});
+    tied.begin_step();
+    EXPECT_FALSE(w.grad().defined());
+    tied.restore();
+    EXPECT_EQ(bits(w.grad())[1].item<int>(), bits(at::tensor({-0.0f}))[0].item<int>());
+  });
+}
+
 }  // namespace
 }  // namespace smp

@@ -1,28 +1,29 @@
-// Test helpers for the pipeline's dispatcher (smp_core/dispatch.h): messages, schedules
-// and a spawn that runs each body on a thread of its own. Header-only; used by the
-// dispatcher's tests (tests/cpp/smp_core/dispatch_test.cpp and the tests of its parts).
+// Test helpers for the pipeline's dispatcher (smp_core/dispatch.h): messages, schedules,
+// a spawn that runs each body on a thread of its own, and ranks with a P2P engine each.
+// Header-only; used by the dispatcher's tests (tests/cpp/smp_core/dispatch_test.cpp and
+// the tests of its parts).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 
+#include "gloo_world.h"
+#include "p2p_helpers.h"
 #include "smp_core/p2p.h"
 #include "smp_core/scheduler.h"
 
 namespace smp::testing {
 
-constexpr uint32_t bit(int kind) { return 1u << kind; }
-
+// A message without metadata.
 inline Message make(int64_t mb, int64_t call, int32_t kind, std::vector<at::Tensor> tensors = {}) {
-  Message m;
-  m.mb = mb, m.call_id = call, m.kind = kind;
-  m.tensors = std::move(tensors);
-  return m;
+  return make(mb, call, kind, std::string(), std::move(tensors));
 }
 
 inline Schedule schedule(ScheduleKind kind, int64_t mbs, int64_t stages, int64_t active = 3) {
@@ -36,6 +37,16 @@ inline void spawn_thread(std::function<void()> body) { std::thread(std::move(bod
 inline Message answer_of(const Message& req) {
   const bool fwd = req.kind == kRequest;
   return make(0, 0, fwd ? kResponse : kBackwardResponse, {req.tensors.at(0) * (fwd ? 2 : 3)});
+}
+
+// Calls fn(rank, p2p) on n ranks (threads, run_gloo_world), each with a P2P engine over
+// the world's store under `prefix`, its waits timing out after timeout_s; the engine
+// outlives fn.
+inline void run_p2p_world(int n, const std::string& prefix, double timeout_s,
+                          const std::function<void(int, const std::shared_ptr<P2PEngine>&)>& fn) {
+  run_gloo_world(n, [&](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
+    fn(r, std::make_shared<P2PEngine>(store, prefix, r, n, timeout_s));
+  });
 }
 
 }  // namespace smp::testing

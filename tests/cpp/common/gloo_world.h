@@ -2,6 +2,7 @@
 // 127.0.0.1 over one shared in-memory store (c10d HashStore). No mocks.
 #pragma once
 
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <mutex>

@@ -13,22 +13,22 @@
 #include <vector>
 
 #include "../common/gloo_world.h"
+#include "../common/p2p_helpers.h"
 #include "smp_core/errors.h"
 
 namespace smp {
 namespace {
 
-using testing::run_gloo_world;
+using namespace testing;
 
-Message make(int64_t mb, int64_t call, int32_t kind, std::string meta,
-             std::vector<at::Tensor> tensors = {}) {
-  Message m;
-  m.mb = mb, m.call_id = call, m.kind = kind, m.meta = std::move(meta);
-  m.tensors = std::move(tensors);
-  return m;
+// A task that takes the token at `priority`, sets `got` while it holds it, and gives it back.
+std::thread take_token(P2PEngine& eng, int64_t priority, std::atomic<bool>& got) {
+  return std::thread([&eng, priority, &got] {
+    eng.acquire_token(priority);
+    got = true;
+    eng.release_token();
+  });
 }
-
-constexpr uint32_t bit(int kind) { return 1u << kind; }
 
 // Note [Compute token]: waiters get the token in priority order, not arrival order.
 TEST(ComputeToken, TokenGoesToLowestPriorityValue) {
@@ -101,11 +101,7 @@ TEST(ComputeToken, PlannedOrderEndsOnPlanOffAndTimesOutWhenStuck) {
     P2PEngine eng(store, "p2p", r, 1, 1);
     eng.order_token(true);
     std::atomic<bool> got{false};
-    std::thread t([&] {
-      eng.acquire_token(5);
-      got = true;
-      eng.release_token();
-    });
+    std::thread t = take_token(eng, 5, got);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     EXPECT_FALSE(got.load());
     eng.send(0, make(-1, 0, kPlanOff, ""));
@@ -159,11 +155,7 @@ TEST(ComputeToken, FailedYieldingRecvLeavesTheHoldersTokenAlone) {
     ASSERT_TRUE(b_holds);
     eng.release_token();  // A's guard on its way out: A does not hold the token
     std::atomic<bool> c_got{false};
-    std::thread c([&] {
-      eng.acquire_token(2);
-      c_got = true;
-      eng.release_token();
-    });
+    std::thread c = take_token(eng, 2, c_got);
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     EXPECT_FALSE(c_got);  // B still holds it
     b_done = true;
@@ -197,11 +189,7 @@ TEST(ComputeToken, ThreadWorkingForTheHolderYieldsAndReturnsTheToken) {
     EXPECT_TRUE(other_ran);
     eng.release_token();  // the task's: it holds the token again
     std::atomic<bool> next{false};
-    std::thread after([&] {
-      eng.acquire_token(1);
-      next = true;
-      eng.release_token();
-    });
+    std::thread after = take_token(eng, 1, next);
     after.join();  // would block for good if the token were stuck with the device thread
     EXPECT_TRUE(next);
   });

@@ -8,16 +8,11 @@
 #include <memory>
 
 #include "../common/dispatch_helpers.h"
-#include "../common/gloo_world.h"
 
 namespace smp {
 namespace {
 
-using testing::answer_of;
-using testing::make;
-using testing::run_gloo_world;
-using testing::schedule;
-using testing::spawn_thread;
+using namespace testing;
 
 // A step of 4 microbatches, window 3, each making a forward and a backward call to pp
 // rank 1; the even ones through call() (from Python: a crossing each), the odd ones
@@ -28,8 +23,7 @@ using testing::spawn_thread;
 TEST(DispatchStats, CrossingsAndRequestsOfAStepInClosedForm) {
   constexpr int64_t kMbs = 4;
   for (const bool spawn_crosses : {true, false}) {
-    run_gloo_world(2, [&](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-      auto p2p = std::make_shared<P2PEngine>(store, "stats", r, 2, 20);
+    run_p2p_world(2, "stats", 20, [&](int r, const std::shared_ptr<P2PEngine>& p2p) {
       Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
       d.set_spawn_crosses(spawn_crosses);
       d.record_spans(true);  // spans are of served backwards only: none here

@@ -16,22 +16,16 @@
 #include <thread>
 
 #include "../common/dispatch_helpers.h"
-#include "../common/gloo_world.h"
 #include "smp_core/errors.h"
 
 namespace smp {
 namespace {
 
-using testing::answer_of;
-using testing::make;
-using testing::run_gloo_world;
-using testing::schedule;
-using testing::spawn_thread;
+using namespace testing;
 
 TEST(Dispatch, ServesEveryRequestOnOneLeaderAndDrivesInOrderWithinTheWindow) {
   constexpr int64_t kMbs = 7;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 2, 20);
+  run_p2p_world(2, "dispatch", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::mutex mu;
     std::set<std::thread::id> handler_threads;
     std::vector<std::pair<int64_t, int32_t>> served;
@@ -87,8 +81,7 @@ TEST(Dispatch, NestedCallHandsTheLeadToAnotherThread) {
   std::condition_variable cv;
   bool mb1_served = false;
   std::map<int64_t, std::thread::id> thread_of;
-  run_gloo_world(2, [&](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 2, 20);
+  run_p2p_world(2, "dispatch", 20, [&](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::unique_ptr<Dispatcher> d;
     auto handler = [&](const Message& req) -> Message {
       if (r == 0) {  // the nested call's module, on the driver
@@ -131,8 +124,7 @@ TEST(Dispatch, NestedCallHandsTheLeadToAnotherThread) {
 
 // "simple": every forward finishes before any microbatch's backward starts.
 TEST(Dispatch, SimpleScheduleRunsEveryForwardBeforeAnyBackward) {
-  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 1, 20);
+  run_p2p_world(1, "dispatch", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::mutex mu;
     std::vector<std::string> events;
     Dispatcher d(p2p, schedule(ScheduleKind::kSimple, 4, 1), answer_of, spawn_thread);
@@ -156,8 +148,7 @@ TEST(Dispatch, SimpleScheduleRunsEveryForwardBeforeAnyBackward) {
 // A request to oneself (a module of this rank called from a task of this rank's) is run
 // by the waiting task itself.
 TEST(Dispatch, WaitingTaskRunsItsOwnMicrobatchRequests) {
-  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 1, 20);
+  run_p2p_world(1, "dispatch", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::thread::id handler_thread, task_thread;
     Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 1, 1),
                  [&](const Message& req) {
@@ -179,8 +170,7 @@ TEST(Dispatch, WaitingTaskRunsItsOwnMicrobatchRequests) {
 // A handler that throws ends the step on its rank at once (not at the timeout: both
 // engines wait 60 s) and gets its caller an ERROR answer naming the failure.
 TEST(Dispatch, FailingHandlerEndsServingAndAnswersTheCallerWithAnError) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 2, 60);
+  run_p2p_world(2, "dispatch", 60, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 1, 2),
                  [](const Message&) -> Message { throw std::runtime_error("handler broke"); },
                  spawn_thread);
@@ -209,8 +199,7 @@ TEST(Dispatch, FailingHandlerEndsServingAndAnswersTheCallerWithAnError) {
 // A step longer than twice the timeout, with one thread leading all along (no nested
 // call), is fine: only waits for messages are bounded, each by the timeout (1 s here).
 TEST(Dispatch, LongStepWithOneLeaderIsNotATimeout) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "dispatch", r, 2, 1);
+  run_p2p_world(2, "dispatch", 1, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 6, 2, 1),
                  [](const Message& req) {
                    std::this_thread::sleep_for(std::chrono::milliseconds(400));

@@ -16,16 +16,12 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "../common/dispatch_helpers.h"
-#include "../common/gloo_world.h"
 #include "smp_core/errors.h"
 
 namespace smp {
 namespace {
 
-using testing::make;
-using testing::run_gloo_world;
-using testing::schedule;
-using testing::spawn_thread;
+using namespace testing;
 
 // Backward requests reach pp rank 1 out of microbatch order: the driver's microbatch 0
 // sends its own 300 ms after the others. In a deterministic step the gradients of
@@ -35,8 +31,7 @@ using testing::spawn_thread;
 TEST(GradientOrder, GradientsAccumulateInMicrobatchOrderAcrossRequestsThatArriveOutOfIt) {
   constexpr int64_t kMbs = 3;
   for (const bool deterministic : {true, false}) {
-    run_gloo_world(2, [&](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-      auto p2p = std::make_shared<P2PEngine>(store, "grad_order", r, 2, 20);
+    run_p2p_world(2, "grad_order", 20, [&](int r, const std::shared_ptr<P2PEngine>& p2p) {
       at::Tensor w = at::ones({2}).set_requires_grad(true);  // this rank's parameter
       std::mutex mu;
       std::map<int64_t, std::pair<at::Tensor, at::Tensor>> graphs;  // mb -> (x, y)

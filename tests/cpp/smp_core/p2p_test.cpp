@@ -10,22 +10,13 @@
 #include <thread>
 
 #include "../common/gloo_world.h"
+#include "../common/p2p_helpers.h"
 #include "smp_core/errors.h"
 
 namespace smp {
 namespace {
 
-using testing::run_gloo_world;
-
-Message make(int64_t mb, int64_t call, int32_t kind, std::string meta,
-             std::vector<at::Tensor> tensors = {}) {
-  Message m;
-  m.mb = mb, m.call_id = call, m.kind = kind, m.meta = std::move(meta);
-  m.tensors = std::move(tensors);
-  return m;
-}
-
-constexpr uint32_t bit(int kind) { return 1u << kind; }
+using namespace testing;
 
 TEST(P2P, MatchesByKeyNotArrivalOrder) {
   run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {

@@ -14,16 +14,11 @@
 #include <vector>
 
 #include "../common/dispatch_helpers.h"
-#include "../common/gloo_world.h"
 
 namespace smp {
 namespace {
 
-using testing::answer_of;
-using testing::make;
-using testing::run_gloo_world;
-using testing::schedule;
-using testing::spawn_thread;
+using namespace testing;
 
 // Step 1 runs in the dynamic order and records its calls (path 0, 1, 0); step 2
 // executes the plan they describe on both ranks, every action in the plan's order; in
@@ -31,8 +26,7 @@ using testing::spawn_thread;
 // (the step still ends well); step 3's calls were not uniform, so step 4 has no plan.
 TEST(PlanExecution, ExecutesTheRecordedPlanAndLeavesItWhenAStepDiffers) {
   constexpr int64_t kMbs = 4;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "plan_exec", r, 2, 20);
+  run_p2p_world(2, "plan_exec", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2, 2), answer_of, spawn_thread);
     for (int64_t step = 1; step <= 4; ++step) {
       d.begin_step(kMbs);
@@ -91,8 +85,7 @@ TEST(PlanExecution, ExecutesTheRecordedPlanAndLeavesItWhenAStepDiffers) {
 // starts at once.
 TEST(PlanExecution, DeterministicStepStartsForwardActionsInMicrobatchOrder) {
   for (const bool deterministic : {true, false}) {
-    run_gloo_world(3, [&](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-      auto p2p = std::make_shared<P2PEngine>(store, "fwd_order", r, 3, 20);
+    run_p2p_world(3, "fwd_order", 20, [&](int r, const std::shared_ptr<P2PEngine>& p2p) {
       Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 2, 3),
                    [r](const Message& req) {
                      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));

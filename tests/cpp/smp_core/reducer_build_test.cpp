@@ -26,33 +26,35 @@ std::vector<at::Tensor> make_params(const Shapes& shapes) {
   return ps;
 }
 
+// Whether building a reducer of `ps` raised a CommError on this rank; expects one with
+// `message`.
+bool build_raises(const std::vector<at::Tensor>& ps, const ProcessGroupPtr& pg, int r,
+                  const char* message) {
+  try {
+    Reducer red(ps, pg);
+    ADD_FAILURE() << "rank " << r << " built a reducer";
+    return false;
+  } catch (const CommError& e) {
+    EXPECT_STREQ(e.what(), message);
+    return true;
+  }
+}
+
 TEST(ReducerBuild, ShapeMismatchThrowsOnEveryRank) {
   std::atomic<int> raised{0};
   run_gloo_world(3, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
     Shapes shapes = {{2}, {4, 8}, {3}};
     if (r == 2) shapes[1] = {4, 9};
-    auto ps = make_params(shapes);
-    try {
-      Reducer red(ps, pg);
-      ADD_FAILURE() << "rank " << r << " built a reducer";
-    } catch (const CommError& e) {
-      EXPECT_STREQ(e.what(),
-                   "smp: Reducer: parameter 1 is Float[4, 8] on dp rank 0 but Float[4, 9] on "
-                   "dp rank 2 (every rank must pass the same parameters in the same order)");
+    if (build_raises(make_params(shapes), pg, r,
+                     "smp: Reducer: parameter 1 is Float[4, 8] on dp rank 0 but Float[4, 9] on "
+                     "dp rank 2 (every rank must pass the same parameters in the same order)"))
       ++raised;
-    }
   });
   EXPECT_EQ(raised.load(), 3);
   run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
-    auto ps = make_params(r == 0 ? Shapes{{2}, {3}} : Shapes{{2}});
-    try {
-      Reducer red(ps, pg);
-      ADD_FAILURE() << "rank " << r << " built a reducer";
-    } catch (const CommError& e) {
-      EXPECT_STREQ(e.what(),
-                   "smp: Reducer: dp rank 0 has 2 parameters but dp rank 1 has 1 (every rank "
-                   "must pass the same parameters in the same order)");
-    }
+    build_raises(make_params(r == 0 ? Shapes{{2}, {3}} : Shapes{{2}}), pg, r,
+                 "smp: Reducer: dp rank 0 has 2 parameters but dp rank 1 has 1 (every rank "
+                 "must pass the same parameters in the same order)");
   });
 }
 

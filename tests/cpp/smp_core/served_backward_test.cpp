@@ -10,17 +10,23 @@
 #include <string>
 
 #include "../common/dispatch_helpers.h"
-#include "../common/gloo_world.h"
 #include "smp_core/errors.h"
 #include "smp_core/remote_call.h"
 
 namespace smp {
 namespace {
 
-using testing::make;
-using testing::run_gloo_world;
-using testing::schedule;
-using testing::spawn_thread;
+using namespace testing;
+
+// The handler of a call kept for a backward served in C++: y = 2xw on the request's first
+// tensor x, a leaf kept with y; answers y.
+Message keep_doubled(Dispatcher& d, const Message& req, const at::Tensor& w) {
+  EXPECT_EQ(req.kind, kRequest) << "a kept call's backward reached the handler";
+  at::Tensor x = req.tensors.at(0).clone().set_requires_grad(true);
+  at::Tensor y = x * w * 2;
+  d.keep_for_backward(req.src, req.mb, req.call_id, {x}, {y});
+  return make(0, 0, kResponse, {y.detach()});
+}
 
 // Note [Served backward] and Note [Arming at the first backward]: a call whose forward
 // kept its input leaf and output is served backward in C++ (the handler never sees a
@@ -28,8 +34,7 @@ using testing::spawn_thread;
 // the microbatches, and the step's arm runs once, before the first accumulation.
 TEST(ServedBackward, KeptCallsAreServedInCppAndTheArmRunsOnce) {
   constexpr int64_t kMbs = 4;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "served", r, 2, 20);
+  run_p2p_world(2, "served", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     at::Tensor w = at::ones({4}).set_requires_grad(true);
     std::atomic<int> handled{0}, armed{0};
     std::atomic<bool> grad_before_arm{false};
@@ -38,11 +43,7 @@ TEST(ServedBackward, KeptCallsAreServedInCppAndTheArmRunsOnce) {
         p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2),
         [&](const Message& req) {
           ++handled;
-          EXPECT_EQ(req.kind, kRequest) << "a kept call's backward reached the handler";
-          at::Tensor x = req.tensors.at(0).clone().set_requires_grad(true);
-          at::Tensor y = x * w * 2;
-          d->keep_for_backward(req.src, req.mb, req.call_id, {x}, {y});
-          return make(0, 0, kResponse, {y.detach()});
+          return keep_doubled(*d, req, w);
         },
         spawn_thread);
     if (r == 1) {
@@ -86,8 +87,7 @@ TEST(ServedBackward, KeptCallsAreServedInCppAndTheArmRunsOnce) {
 // A served backward that fails answers the caller with the failure encoder's error and
 // the rank goes on serving; an arm that never ran is reported as such.
 TEST(ServedBackward, FailingServedBackwardAnswersWithTheEncodedError) {
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "served_fail", r, 2, 20);
+  run_p2p_world(2, "served_fail", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::shared_ptr<Dispatcher> d;
     d = std::make_shared<Dispatcher>(
         p2p, schedule(ScheduleKind::kInterleaved, 2, 2),
@@ -136,19 +136,12 @@ TEST(ServedBackward, FailingServedBackwardAnswersWithTheEncodedError) {
 // its W are over (the step would time out otherwise).
 TEST(ServedBackward, ZeroBubbleSplitsKeptCallsIntoIAndW) {
   constexpr int64_t kMbs = 4;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "zero_bubble", r, 2, 20);
+  run_p2p_world(2, "zero_bubble", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     at::Tensor w = at::ones({4}).set_requires_grad(true);
     std::shared_ptr<Dispatcher> d;
     d = std::make_shared<Dispatcher>(
         p2p, schedule(ScheduleKind::kZeroBubble, kMbs, 2),
-        [&](const Message& req) {
-          EXPECT_EQ(req.kind, kRequest) << "a kept call's backward reached the handler";
-          at::Tensor x = req.tensors.at(0).clone().set_requires_grad(true);
-          at::Tensor y = x * w * 2;
-          d->keep_for_backward(req.src, req.mb, req.call_id, {x}, {y});
-          return make(0, 0, kResponse, {y.detach()});
-        },
+        [&](const Message& req) { return keep_doubled(*d, req, w); },
         spawn_thread);
     d->record_spans(true);
     for (int64_t step = 1; step <= 2; ++step) {

@@ -16,26 +16,19 @@
 #include <thread>
 
 #include "../common/dispatch_helpers.h"
-#include "../common/gloo_world.h"
 #include "smp_core/errors.h"
 
 namespace smp {
 namespace {
 
-using testing::answer_of;
-using testing::bit;
-using testing::make;
-using testing::run_gloo_world;
-using testing::schedule;
-using testing::spawn_thread;
+using namespace testing;
 
 // Note [Step end]: the microbatches' shares reach every pp rank in one kStepEnd, in
 // microbatch order whatever order the bodies finished in; a body's error aborts the step
 // on every rank instead, the first error only.
 TEST(StepEnd, DriveStepSendsOneStepEndOrTheFirstError) {
   constexpr int64_t kMbs = 4;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "step_end", r, 2, 20);
+  run_p2p_world(2, "step_end", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
     for (const bool fail : {false, true}) {
       d.begin_step(kMbs);
@@ -81,8 +74,7 @@ TEST(StepEnd, DriveStepSendsOneStepEndOrTheFirstError) {
 // flags); it never runs for an aborted step, and a step's finish is taken off by running.
 TEST(StepEnd, StepFinishRunsOnceWhereTheStepEndsWell) {
   constexpr int64_t kMbs = 3;
-  run_gloo_world(2, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "finish", r, 2, 20);
+  run_p2p_world(2, "finish", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
     // Steps: no backward; a backward in microbatch 1 only; an aborted step.
     int64_t epoch = 0;
@@ -140,8 +132,7 @@ TEST(StepEnd, AbortReachesEveryServingThreadAndTheDriversTasks) {
   std::mutex mu;  // shared by the two ranks (threads of this process)
   std::condition_variable cv;
   bool nested_waiting = false, served = false;
-  run_gloo_world(2, [&](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "abort", r, 2, 20);
+  run_p2p_world(2, "abort", 20, [&](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::atomic<int> nested_saw_abort{0}, task_saw_abort{0};
     std::shared_ptr<Dispatcher> d;
     d = std::make_shared<Dispatcher>(
@@ -199,8 +190,7 @@ TEST(StepEnd, AbortReachesEveryServingThreadAndTheDriversTasks) {
 // throws stays pending and runs again at the next chance; disarm() takes the arm and
 // the step's finish off and says whether the arm ran.
 TEST(StepEnd, ArmRunsOnceAndDisarmTakesArmAndFinishOff) {
-  run_gloo_world(1, [](int r, const compat::ProcessGroupPtr&, const compat::StorePtr& store) {
-    auto p2p = std::make_shared<P2PEngine>(store, "arm", r, 1, 20);
+  run_p2p_world(1, "arm", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 1, 1), answer_of, spawn_thread);
     int arms = 0;
     d.arm_at_first_backward([&] { ++arms; });

@@ -39,9 +39,9 @@
 // each use's gradient cast back to float32 before the sum. So while autocast is on, a
 // served module gets a view of each such leaf (a view is never cached) and its
 // gradients sum as in one process (without it BERT's layer input, used by the query,
-// key and value projections, gets gradients ~1e-6 off, in bfloat16). Both serving
-// paths do it: Engine.serve (smp/pipeline.py) and Note [Known forward requests]
-// (python/csrc/bind_pipeline.cpp), for ~1 us per such input. (A step input that
+// key and value projections, gets gradients ~1e-6 off, in bfloat16). The one serving
+// path does it (Server::serve, Note [Known forward requests] in serve.h), for ~1 us
+// per such input. (A step input that
 // requires grad is a leaf in one process too, whose cast is cached there and not on
 // its owner here: a difference in rounding left as it is.)
 //

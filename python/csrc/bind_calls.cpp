@@ -1,216 +1,211 @@
-// Bindings of the caller's side of a remote module call (smp/pipeline.py Engine.call).
-#include <torch/csrc/autograd/grad_mode.h>
+// Bindings of the two sides of a remote module call: smp::Caller (smp_core/call.h,
+// Note [Known calls]) and smp::Server (smp_core/serve.h, Note [Known forward
+// requests]), and the metadata's encoder (smp_core/call_meta.h). They convert between
+// Python objects and the C++ types; the structures only Python can pickle go through
+// the functions smp/remote_call.py and smp/pipeline.py hand over.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <mutex>
-#include <unordered_map>
 
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "smp_core/call.h"
+#include "smp_core/call_meta.h"
 #include "smp_core/dispatch.h"
-#include "smp_core/remote_call.h"
+#include "smp_core/serve.h"
 
 namespace py = pybind11;
 
 namespace smp::python {
 namespace {
 
-// Note [Known calls]
-// ~~~~~~~~~~~~~~~~~~
-// The caller's mirror of Note [Known forward requests] (bind_pipeline.cpp). On the
-// driver every call of a module another pp rank owns is on the critical path, and its
-// Python glue cost ~100 us: the subtree's mode flags, the request's metadata, the call
-// id, the request Message, the answer's decoding and the autograd node
-// (pipeline.py Engine._call_python, remote_call.Call). A call repeats every microbatch
-// and every step with the same shape: tensors passed positionally (each once), the
-// same requires-grad flags, grad mode and mode flags, and one tensor back. `Calls`
-// makes that call in C++: it reads the flags itself, keys the request's metadata by
-// them (encoded by Python the first time: remote_call.encode_request, so the bytes are
-// the ones the Python path sends, and the owner's Note [Known forward requests] entry
-// matches), numbers the call, sends it and waits with the GIL released, and connects
-// the answer to its autograd node. Anything else (keyword arguments, a non-tensor
-// argument, a tensor passed twice, no microbatch, the timeline on) goes to Python's
-// path, which takes its call id from the same counter. An ERROR or ABORT answer is
-// raised by Python (Engine._raise_answer), as on its path; an answer that is not one
-// tensor is decoded and rebuilt by Python. The counter is the one source of call ids:
-// per microbatch, from 0, offset by the pp rank (ids are unique per caller and
-// microbatch: Note [Remote call node]).
-//
-// Thread-safety: every entry point holds the GIL except the wait for the answer;
-// `ids` has a lock of its own (Python's path takes ids too).
-class Calls {
- public:
-  struct Helpers {
-    py::object engine;          // its _call_python, _raise_answer and subtrees
-    py::object task;            // smp.task.current: `mb` and `backward` are the thread's
-    py::object encode_request;  // remote_call.encode_request
-    py::object decode;          // remote_call.decode (an answer's (skeleton, requires_grad))
-    py::object unflatten;       // (skeleton, outputs) -> what the module returned
-    at::Tensor anchor;          // remote_call.anchor()
-    std::string one_tensor[2];  // remote_call.ONE_TENSOR, by requires_grad
-  };
+py::object wrap(const at::Tensor& t) {
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+}
 
-  Calls(std::shared_ptr<Dispatcher> dispatcher, Helpers helpers, int64_t id_base)
-      : dispatcher_(std::move(dispatcher)), py_(std::move(helpers)), id_base_(id_base) {}
+py::list wrap_all(const std::vector<at::Tensor>& ts) {
+  py::list out(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) out[i] = wrap(ts[i]);
+  return out;
+}
 
-  // The next call id of microbatch `mb` on this rank.
-  int64_t next_id(int64_t mb) {
-    std::lock_guard<std::mutex> lock(ids_mu_);
-    return id_base_ + next_[mb]++;
+py::object bytes_or_none(const std::string& s) {
+  return s.empty() ? py::object(py::none()) : py::object(py::bytes(s));
+}
+
+// A call's Python arguments as they travel (smp_core/call.h CallArgs): distinct tensors
+// passed positionally as they are; anything else (keyword arguments, other objects,
+// nesting, a tensor passed twice) as `flatten(args, kwargs) -> (skeleton, tensors)`.
+CallArgs to_call_args(const py::tuple& args, const py::dict& kwargs, const py::object& flatten) {
+  CallArgs out;
+  bool positional = kwargs.empty();
+  const size_t n = args.size();
+  for (size_t i = 0; positional && i < n; ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
+    positional = THPVariable_Check(a);
+    for (size_t j = 0; positional && j < i; ++j) positional = PyTuple_GET_ITEM(args.ptr(), j) != a;
   }
-  void clear_ids() {
-    std::lock_guard<std::mutex> lock(ids_mu_);
-    next_.clear();
+  if (positional) {
+    out.tensors.reserve(n);
+    for (size_t i = 0; i < n; ++i)
+      out.tensors.push_back(THPVariable_Unpack(PyTuple_GET_ITEM(args.ptr(), i)));
+    return out;
   }
+  auto t = flatten(args, kwargs).cast<py::tuple>();
+  out.skeleton = t[0].cast<std::string>();
+  out.tensors = t[1].cast<std::vector<at::Tensor>>();
+  return out;
+}
 
-  py::object call(const std::string& name, int owner, const py::tuple& args,
-                  const py::dict& kwargs) {
-    if (!py_.engine)
-      throw std::runtime_error("smp: module '" + name + "' was called after its pipeline "
-                               "engine shut down");
-    auto fallback = [&] { return py_.engine.attr("_call_python")(name, owner, args, kwargs); };
-    if (!enabled || kwargs.size() != 0) return fallback();
-    const py::object mb_obj = py_.task.attr("mb");
-    if (mb_obj.is_none()) return fallback();
-    const size_t n = args.size();
-    std::vector<at::Tensor> tensors;
-    tensors.reserve(n);
-    const bool grad = at::GradMode::is_enabled();
-    std::string key;
-    key.reserve(n + 1 + 16);
-    for (size_t i = 0; i < n; ++i) {
-      PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
-      if (!THPVariable_Check(a)) return fallback();
-      for (size_t j = 0; j < i; ++j)
-        if (PyTuple_GET_ITEM(args.ptr(), j) == a) return fallback();  // passed twice
-      tensors.push_back(THPVariable_Unpack(a));
-      key.push_back(tensors.back().requires_grad() ? '\1' : '\0');
-    }
-    key.push_back(grad ? '\1' : '\0');
-    Route& route = route_of(name);
-    for (const py::object& m : route.subtree) {  // placement.mode_flags
-      const int on = PyObject_IsTrue(m.attr("training").ptr());
-      if (on < 0) throw py::error_already_set();
-      key.push_back(on ? '\1' : '\0');
-    }
-    auto meta = route.metas.find(key);
-    if (meta == route.metas.end()) {
-      const std::string flags = key.substr(n + 1);
-      std::string bytes = py_.encode_request(name, args, py::dict(), py::list(), grad,
-                                             py::bytes(flags))
-                              .cast<std::string>();
-      meta = route.metas.emplace(key, std::move(bytes)).first;
-    }
+// smp::Caller with the Python functions that (un)pickle a call's structure.
+struct PyCaller {
+  std::shared_ptr<Caller> caller;
+  py::object flatten;    // (args, kwargs) -> (skeleton bytes, tensors)
+  py::object unflatten;  // (skeleton bytes, tensors) -> what the module returned
 
-    Message request;
-    request.mb = mb_obj.cast<int64_t>();
-    request.call_id = next_id(request.mb);
-    request.kind = kRequest;
-    request.meta = meta->second;
-    request.tensors.reserve(n);
-    for (const at::Tensor& t : tensors) request.tensors.push_back(t.detach());
-    const int backward = PyObject_IsTrue(py_.task.attr("backward").ptr());
-    if (backward < 0) throw py::error_already_set();
-    const std::string what = "the output of '" + name + "' (microbatch " +
-                             std::to_string(request.mb) + ", call " +
-                             std::to_string(request.call_id) + ") from pp rank " +
-                             std::to_string(owner);
-    const int64_t mb = request.mb, call_id = request.call_id;
-    Message answer;
-    {
+  py::object call(const std::string& module, int owner, const py::tuple& args,
+                  const py::dict& kwargs, const py::bytes& mode_flags) {
+    CallArgs in = to_call_args(args, kwargs, flatten);
+    CallOutputs out;
+    try {
       py::gil_scoped_release nogil;
-      answer = dispatcher_->call(owner, std::move(request), kResponse, backward != 0, what);
+      out = caller->call(module, owner, std::move(in), mode_flags);
+    } catch (python_error& e) {  // an error answer, rebuilt by Python (ErrorRaiser)
+      e.restore();
+      throw py::error_already_set();
     }
-    if (answer.kind == kError || answer.kind == kAbort) {
-      py_.engine.attr("_raise_answer")(py::bytes(answer.meta));
-      throw std::runtime_error("smp: " + what + " was an error answer that raised nothing");
-    }
-
-    std::vector<bool> requires_grad;
-    py::object skeleton;  // none: one tensor
-    if (answer.tensors.size() == 1 && answer.meta == py_.one_tensor[0]) {
-      requires_grad = {false};
-    } else if (answer.tensors.size() == 1 && answer.meta == py_.one_tensor[1]) {
-      requires_grad = {true};
-    } else {
-      auto decoded = py_.decode(py::bytes(answer.meta)).cast<py::tuple>();
-      skeleton = decoded[0];
-      requires_grad = decoded[1].cast<std::vector<bool>>();
-    }
-    std::vector<at::Tensor> outs = std::move(answer.tensors);
-    if (grad) {
-      std::vector<at::Tensor> inputs;
-      inputs.reserve(n + 1);
-      inputs.push_back(py_.anchor);
-      inputs.insert(inputs.end(), tensors.begin(), tensors.end());
-      outs = connect_remote_call(dispatcher_, RemoteCallId{owner, mb, call_id, name}, inputs,
-                                 std::move(outs), requires_grad);
-    }
-    ++fast_calls;
-    if (!skeleton) return py::reinterpret_steal<py::object>(THPVariable_Wrap(outs[0]));
-    return py_.unflatten(skeleton, outs);
+    if (out.skeleton.empty()) return wrap(out.tensors.at(0));
+    return unflatten(py::bytes(out.skeleton), wrap_all(out.tensors));
   }
-
-  // Drops the Python objects and the dispatcher (Engine.shutdown: they hold the engine).
-  void close() {
-    enabled = false;
-    dispatcher_.reset();
-    routes_.clear();
-    py_ = Helpers{};
-  }
-
-  bool enabled = true;     // off while the timeline records (Python's path has its spans)
-  int64_t fast_calls = 0;  // calls made here, not by Python's path
-
- private:
-  struct Route {
-    std::vector<py::object> subtree;                     // engine.subtrees[name]
-    std::unordered_map<std::string, std::string> metas;  // flags key -> request metadata
-  };
-
-  Route& route_of(const std::string& name) {
-    auto it = routes_.find(name);
-    if (it != routes_.end()) return it->second;
-    Route r;
-    const py::object subtrees = py_.engine.attr("subtrees");
-    for (py::handle m : subtrees[py::str(name)])
-      r.subtree.push_back(py::reinterpret_borrow<py::object>(m));
-    return routes_.emplace(name, std::move(r)).first->second;
-  }
-
-  std::shared_ptr<Dispatcher> dispatcher_;
-  Helpers py_;
-  const int64_t id_base_;
-  std::unordered_map<std::string, Route> routes_;
-  std::mutex ids_mu_;
-  std::unordered_map<int64_t, int64_t> next_;
 };
+
+// The Python exception `error` is, or a RuntimeError with a C++ error's text.
+py::object exception_object(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (python_error& pe) {
+    pe.restore();
+    py::error_already_set fetched;
+    return fetched.value();
+  } catch (py::error_already_set& pe) {
+    py::object exc = pe.value();
+    // Its traceback, as an `except` clause would see it.
+    if (pe.trace() && !pe.trace().is_none()) PyException_SetTraceback(exc.ptr(), pe.trace().ptr());
+    return exc;
+  } catch (const std::exception& other) {
+    return py::module_::import("builtins").attr("RuntimeError")(other.what());
+  } catch (...) {
+    return py::module_::import("builtins").attr("RuntimeError")("smp: an unknown C++ error");
+  }
+}
+
+// Server's hooks (smp_core/serve.h ServeHooks) over two Python functions:
+// run(module, mb, mode_flags or None, args list, skeleton or None) -> (out, modes_changed)
+// where `out` is a tensor or (skeleton bytes, tensors); encode_failure(exc, mb, backward)
+// -> bytes.
+ServeHooks serve_hooks(py::function run, py::function encode_failure) {
+  auto r = share(std::move(run));
+  auto f = share(std::move(encode_failure));
+  ServeHooks hooks;
+  hooks.run = [r](const ModuleCall& call) {
+    py::gil_scoped_acquire gil;
+    py::object got = (*r)(call.module, call.mb,
+                          call.mode_flags ? py::object(py::bytes(*call.mode_flags)) : py::none(),
+                          wrap_all(call.args), bytes_or_none(call.skeleton));
+    ModuleResult result;
+    try {
+      auto pair = got.cast<py::tuple>();
+      py::object out = pair[0];
+      result.modes_changed = pair[1].cast<bool>();
+      if (THPVariable_Check(out.ptr())) {
+        result.outputs.push_back(THPVariable_Unpack(out.ptr()));
+      } else {
+        auto structured = out.cast<py::tuple>();
+        result.skeleton = structured[0].cast<std::string>();
+        result.outputs = structured[1].cast<std::vector<at::Tensor>>();
+      }
+    } catch (const py::builtin_exception&) {  // cast_error
+      throw std::runtime_error("smp: the serving hook returned " +
+                               std::string(py::str(py::repr(got))) +
+                               ", not (tensor or (skeleton, tensors), modes_changed)");
+    }
+    return result;
+  };
+  hooks.encode_failure = [f](std::exception_ptr error, int64_t mb, bool backward) {
+    py::gil_scoped_acquire gil;
+    py::object exc = exception_object(error);
+    return (*f)(exc, mb, backward).cast<std::string>();
+  };
+  return hooks;
+}
 
 }  // namespace
 
+py::object python_exception(std::exception_ptr error) { return exception_object(error); }
+
 void bind_calls(py::module_& m) {
-  // Note [Known calls].
-  py::class_<Calls, std::shared_ptr<Calls>>(m, "Calls")
-      .def(py::init([](std::shared_ptr<Dispatcher> dispatcher, py::object engine,
-                       py::object task, py::object encode_request, py::object decode,
-                       py::object unflatten, at::Tensor anchor, const py::bytes& one_tensor,
-                       const py::bytes& one_tensor_grad, int64_t id_base) {
-             Calls::Helpers h{std::move(engine), std::move(task), std::move(encode_request),
-                              std::move(decode), std::move(unflatten), std::move(anchor),
-                              {one_tensor, one_tensor_grad}};
-             return python_owned(new Calls(std::move(dispatcher), std::move(h), id_base));
+  // Note [Known calls] (smp_core/call.h).
+  py::class_<PyCaller, std::shared_ptr<PyCaller>>(m, "Caller")
+      .def(py::init([](std::shared_ptr<Dispatcher> dispatcher, int64_t id_base,
+                       py::object flatten, py::object unflatten) {
+             auto caller = std::make_shared<Caller>(std::move(dispatcher), id_base);
+             return python_owned(
+                 new PyCaller{std::move(caller), std::move(flatten), std::move(unflatten)});
            }),
-           py::arg("dispatcher"), py::arg("engine"), py::arg("task"),
-           py::arg("encode_request"), py::arg("decode"), py::arg("unflatten"),
-           py::arg("anchor"), py::arg("one_tensor"), py::arg("one_tensor_grad"),
-           py::arg("id_base"))
-      .def("__call__", &Calls::call, py::arg("name"), py::arg("owner"), py::arg("args"),
-           py::arg("kwargs"))
-      .def("next_id", &Calls::next_id, py::arg("mb"))
-      .def("clear_ids", &Calls::clear_ids)
-      .def("close", &Calls::close)
-      .def_readwrite("enabled", &Calls::enabled)
-      .def_readonly("fast_calls", &Calls::fast_calls);
+           py::arg("dispatcher"), py::arg("id_base"), py::arg("flatten"), py::arg("unflatten"))
+      .def("__call__", &PyCaller::call, py::arg("module"), py::arg("owner"), py::arg("args"),
+           py::arg("kwargs"), py::arg("mode_flags"))
+      .def("begin_step", [](PyCaller& c) { c.caller->begin_step(); })
+      .def("close", [](PyCaller& c) { c.caller->close(); })
+      .def_property_readonly("fast_calls",
+                             [](const PyCaller& c) { return c.caller->fast_calls(); });
+  // Note [Known forward requests] (smp_core/serve.h).
+  py::class_<Server, std::shared_ptr<Server>>(m, "Server")
+      .def(py::init([](py::function run, py::function encode_failure, int pp_rank) {
+             return std::make_shared<Server>(serve_hooks(std::move(run), std::move(encode_failure)),
+                                             pp_rank);
+           }),
+           py::arg("run"), py::arg("encode_failure"), py::arg("pp_rank"))
+      .def("begin_step", &Server::begin_step)
+      .def_property_readonly("served", &Server::served)
+      .def("__len__", &Server::known);
+  // Note [Call metadata] (smp_core/call_meta.h): the one encoder, for Python's tools and
+  // tests (smp/remote_call.py).
+  m.def("call_args",
+        [](const py::tuple& args, const py::dict& kwargs, const py::object& flatten) {
+          CallArgs a = to_call_args(args, kwargs, flatten);
+          return py::make_tuple(bytes_or_none(a.skeleton), a.tensors);
+        },
+        py::arg("args"), py::arg("kwargs"), py::arg("flatten"));
+  m.def("encode_request",
+        [](const std::string& module, std::vector<bool> requires_grad, bool grad,
+           const py::bytes& mode_flags, std::optional<py::bytes> skeleton) {
+          RequestMeta meta{module, grad, mode_flags, std::move(requires_grad),
+                           skeleton ? std::string(*skeleton) : std::string()};
+          return py::bytes(encode_request(meta));
+        },
+        py::arg("module"), py::arg("requires_grad"), py::arg("grad"), py::arg("mode_flags"),
+        py::arg("skeleton"));
+  m.def("decode_request",
+        [](const py::bytes& bytes) {
+          RequestMeta meta = decode_request(bytes, kAnyCount, "a request");
+          return py::make_tuple(meta.module, meta.requires_grad, meta.grad,
+                                py::bytes(meta.mode_flags), bytes_or_none(meta.skeleton));
+        },
+        py::arg("meta"));
+  m.def("encode_answer",
+        [](std::vector<bool> requires_grad, std::optional<py::bytes> skeleton) {
+          AnswerMeta meta{std::move(requires_grad),
+                          skeleton ? std::string(*skeleton) : std::string()};
+          return py::bytes(encode_answer(meta));
+        },
+        py::arg("requires_grad"), py::arg("skeleton"));
+  m.def("decode_answer",
+        [](const py::bytes& bytes) {
+          AnswerMeta meta = decode_answer(bytes, kAnyCount, "an answer");
+          return py::make_tuple(meta.requires_grad, bytes_or_none(meta.skeleton));
+        },
+        py::arg("meta"));
 }
 
 }  // namespace smp::python

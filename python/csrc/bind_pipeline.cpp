@@ -1,11 +1,10 @@
-// Bindings of the pipeline transport (smp_core/p2p): Python builds messages from
-// module calls; C++ moves and matches them.
+// Bindings of the pipeline transport (smp_core/p2p), its schedule, plans and dispatch
+// (smp_core/dispatch.h). The two sides of a module call are bound in bind_calls.cpp.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <optional>
-#include <unordered_map>
 
 #include <pybind11/stl.h>
 
@@ -20,22 +19,21 @@
 #include "smp_core/reducer.h"
 #include "smp_core/remote_call.h"
 #include "smp_core/scheduler.h"
+#include "smp_core/serve.h"
 #include "smp_core/tied_grads.h"
 
 namespace py = pybind11;
 
 namespace smp::python {
-namespace {
 
-// A Python callable kept by C++ threads: copies share it without the GIL; the last one
-// drops it with the GIL held.
-using SharedFn = std::shared_ptr<py::function>;
 SharedFn share(py::function f) {
   return SharedFn(new py::function(std::move(f)), [](py::function* p) {
     py::gil_scoped_acquire gil;
     delete p;
   });
 }
+
+namespace {
 
 // Calls `f` holding the GIL and converts its result to R (void: drops it) before letting
 // go of the GIL. A Python exception becomes a C++ one (it may be rethrown on another
@@ -58,119 +56,6 @@ R call_python(const SharedFn& f, Args&&... args) {
     throw std::runtime_error(e.what());
   }
 }
-
-// What a handler returned (a Message, or (Message, inputs, outputs): Note [Served
-// backward]) as the answer, the call's leaves and outputs kept for its backward.
-Message answer_of(const py::object& out, const Message& msg,
-                  const std::shared_ptr<std::weak_ptr<Dispatcher>>& self) {
-  if (!py::isinstance<py::tuple>(out)) return out.cast<Message>();
-  auto t = out.cast<py::tuple>();
-  Message answer = t[0].cast<Message>();
-  auto inputs = t[1].cast<std::vector<at::Tensor>>();
-  auto outputs = t[2].cast<std::vector<at::Tensor>>();
-  if (auto dispatcher = self->lock()) {
-    py::gil_scoped_release nogil;
-    dispatcher->keep_for_backward(msg.src, msg.mb, msg.call_id, std::move(inputs),
-                                  std::move(outputs));
-  }
-  return answer;
-}
-
-// Note [Known forward requests]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A served forward request repeats every microbatch: the same module, the same
-// metadata bytes (module name, argument layout, requires-grad flags, grad mode, the
-// subtree's mode flags). The first of a step goes through Python (Engine.serve: decode,
-// apply the mode flags, call, encode), which then registers its metadata here with the
-// module to call (smp/pipeline.py, Engine._know). The next requests with the same
-// bytes are served from here: the received tensors made leaves as flagged, grad mode
-// set, smp.task's microbatch set for nested calls, the module called, its single
-// tensor output answered (any other output goes to Python's encoder), and the call's
-// leaves and output kept for its backward, as Python's path does. That takes ~70 us
-// of Python glue per request off the compute token. Python clears every entry when a
-// step begins (the user may switch modes between steps) and the entries whose
-// subtree its own path touches; it registers nothing while the timeline or a task
-// context (instrumentation) is on. Every access holds the GIL, which orders them.
-struct KnownForwards {
-  struct Entry {
-    py::object module;
-    std::vector<bool> requires_grad;
-    bool grad = false;
-  };
-  std::unordered_map<std::string, Entry> entries;
-  py::object task;       // smp.task.current: its `mb` and `backward` are the thread's
-  py::object on_output;  // (msg, out, inputs, grad) -> a handler's answer
-  py::object on_error;   // (msg, exc) -> the ERROR Message
-  std::string one_tensor[2];  // a single output's metadata, by its requires_grad
-  double forward_s = 0;       // in the modules called from here
-  int64_t served = 0;
-
-  std::optional<Message> serve(const Message& msg,
-                               const std::shared_ptr<std::weak_ptr<Dispatcher>>& self) {
-    if (msg.kind != kRequest) return std::nullopt;
-    auto it = entries.find(msg.meta);
-    if (it == entries.end() || it->second.requires_grad.size() != msg.tensors.size())
-      return std::nullopt;
-    const py::object module = it->second.module;  // on_output may change `entries`
-    const bool grad = it->second.grad;
-    std::vector<at::Tensor> inputs = msg.tensors;
-    py::tuple args(inputs.size());
-    // Note [Received inputs are not weights] (smp_core/autocast_state.h).
-    const bool views = grad && autocast_state::capture() != 0;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (grad && it->second.requires_grad[i]) inputs[i].requires_grad_(true);
-      at::Tensor given = inputs[i];
-      if (views && given.requires_grad() && given.scalar_type() == at::kFloat) {
-        at::AutoGradMode mode(true);
-        given = given.view_as(given);
-      }
-      args[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(given));
-    }
-    const py::object prev_mb = task.attr("mb"), prev_backward = task.attr("backward");
-    task.attr("mb") = py::int_(msg.mb);
-    task.attr("backward") = py::bool_(false);
-    struct Restore {
-      const py::object& task;
-      const py::object &mb, &backward;
-      ~Restore() {
-        task.attr("mb") = mb;
-        task.attr("backward") = backward;
-      }
-    } restore{task, prev_mb, prev_backward};
-    py::object out;
-    const auto t0 = std::chrono::steady_clock::now();
-    try {
-      at::AutoGradMode mode(grad);
-      out = module(*args);
-    } catch (py::error_already_set& e) {
-      forward_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const py::object exc = e.value();  // with its traceback, as Python's path has it
-      if (e.trace() && !e.trace().is_none()) PyException_SetTraceback(exc.ptr(), e.trace().ptr());
-      return on_error(msg, exc).cast<Message>();
-    }
-    forward_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    ++served;
-    if (!THPVariable_Check(out.ptr())) {  // not one tensor: Python encodes it
-      py::list leaves;
-      for (const at::Tensor& t : inputs) leaves.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
-      return answer_of(on_output(msg, out, leaves, grad), msg, self);
-    }
-    const at::Tensor result = THPVariable_Unpack(out.ptr());
-    Message answer;
-    answer.mb = msg.mb;
-    answer.call_id = msg.call_id;
-    answer.kind = kResponse;
-    answer.meta = one_tensor[result.requires_grad() ? 1 : 0];
-    answer.tensors = {result.detach()};
-    if (grad) {
-      if (auto dispatcher = self->lock()) {
-        py::gil_scoped_release nogil;
-        dispatcher->keep_for_backward(msg.src, msg.mb, msg.call_id, std::move(inputs), {result});
-      }
-    }
-    return answer;
-  }
-};
 
 }  // namespace
 
@@ -401,38 +286,10 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("split_backwards", &Dispatcher::Stats::split_backwards)
       .def_readonly("weight_actions", &Dispatcher::Stats::weight_actions)
       .def_readonly("backward_s", &Dispatcher::Stats::backward_s);
-  // Note [Known forward requests].
-  py::class_<KnownForwards, std::shared_ptr<KnownForwards>>(m, "KnownForwards")
-      .def(py::init([](py::object task, py::object on_output, py::object on_error,
-                       const py::bytes& one_tensor, const py::bytes& one_tensor_grad) {
-             auto k = python_owned(new KnownForwards());
-             k->task = std::move(task);
-             k->on_output = std::move(on_output);
-             k->on_error = std::move(on_error);
-             k->one_tensor[0] = one_tensor;
-             k->one_tensor[1] = one_tensor_grad;
-             return k;
-           }),
-           py::arg("task"), py::arg("on_output"), py::arg("on_error"), py::arg("one_tensor"),
-           py::arg("one_tensor_grad"))
-      .def("add",
-           [](KnownForwards& k, const py::bytes& meta, py::object module,
-              std::vector<bool> requires_grad, bool grad) {
-             k.entries[std::string(meta)] = {std::move(module), std::move(requires_grad), grad};
-           },
-           py::arg("meta"), py::arg("module"), py::arg("requires_grad"), py::arg("grad"))
-      .def("remove", [](KnownForwards& k, const py::bytes& meta) { k.entries.erase(std::string(meta)); })
-      .def("clear", [](KnownForwards& k) { k.entries.clear(); })
-      .def("__len__", [](const KnownForwards& k) { return k.entries.size(); })
-      .def_readonly("forward_s", &KnownForwards::forward_s)
-      .def_readonly("served", &KnownForwards::served);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
       .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
-                       py::function handler, py::object spawn, py::object encode_error,
-                       py::object raise_error, py::object known_forwards) {
-             auto h = share(std::move(handler));
-             std::shared_ptr<KnownForwards> known;
-             if (!known_forwards.is_none()) known = known_forwards.cast<std::shared_ptr<KnownForwards>>();
+                       std::shared_ptr<Server> server, py::object spawn, py::object encode_error,
+                       py::object raise_error) {
              // `spawn`: a TaskPool (C++ threads, Note [Task threads]) or a Python
              // callable `spawn(fn)` that runs fn on a thread of its own.
              Dispatcher::Spawn run_on;
@@ -457,32 +314,14 @@ void bind_pipeline(py::module_& m) {
                  return call_python<std::string>(e, py::str(what));
                };
              }
-             // Note [Served backward]: a handler may answer (message, inputs, outputs):
-             // the call's input leaves and outputs are kept for its backward, in C++.
-             auto self = std::make_shared<std::weak_ptr<Dispatcher>>();
+             // Note [Known forward requests] (smp_core/serve.h): `server` serves every
+             // request and keeps its graph in the dispatcher.
              auto d = std::make_shared<Dispatcher>(
                  std::move(p2p), schedule,
-                 [h, self, known](const Message& msg) {
-                   py::gil_scoped_acquire gil;
-                   py::object out;
-                   try {
-                     if (known) {  // Note [Known forward requests]
-                       if (auto answer = known->serve(msg, self)) return std::move(*answer);
-                     }
-                     out = (*h)(msg);
-                     return answer_of(out, msg, self);
-                   } catch (py::error_already_set& e) {
-                     throw std::runtime_error(e.what());
-                   } catch (const py::builtin_exception&) {
-                     throw std::runtime_error("smp: the pipeline's handler returned " +
-                                              (out ? std::string(py::str(py::repr(out)))
-                                                   : std::string("an answer")) +
-                                              ", not a Message or (Message, inputs, outputs)");
-                   }
-                 },
+                 [server](const Message& msg) { return server->serve(msg); },
                  std::move(run_on), std::move(enc));
              d->set_spawn_crosses(!native);
-             *self = d;
+             server->attach(d);
              if (!raise_error.is_none()) {
                // raise_error(meta) raises the answer's exception. It must reach the
                // caller of backward() as that Python exception, not a RuntimeError:
@@ -502,9 +341,8 @@ void bind_pipeline(py::module_& m) {
              }
              return d;
            }),
-           py::arg("p2p"), py::arg("schedule"), py::arg("handler"), py::arg("spawn"),
-           py::arg("encode_error") = py::none(), py::arg("raise_error") = py::none(),
-           py::arg("known_forwards") = py::none())
+           py::arg("p2p"), py::arg("schedule"), py::arg("server"), py::arg("spawn"),
+           py::arg("encode_error") = py::none(), py::arg("raise_error") = py::none())
       .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"),
            py::arg("deterministic") = false, py::arg("rng_cuda") = false,
            py::arg("planned") = true, release())
@@ -540,18 +378,7 @@ void bind_pipeline(py::module_& m) {
              d.set_failure_encoder([e](std::exception_ptr error, int64_t mb,
                                        bool weight) -> std::string {
                py::gil_scoped_acquire gil;
-               py::object exc;
-               try {
-                 std::rethrow_exception(error);
-               } catch (python_error& pe) {
-                 pe.restore();
-                 py::error_already_set fetched;
-                 exc = fetched.value();
-               } catch (py::error_already_set& pe) {
-                 exc = pe.value();
-               } catch (const std::exception& other) {
-                 exc = py::module_::import("builtins").attr("RuntimeError")(other.what());
-               }
+               py::object exc = python_exception(error);
                return call_python<std::string>(e, exc, mb, weight);
              });
            }, py::arg("encode"))
@@ -605,15 +432,6 @@ void bind_pipeline(py::module_& m) {
              return d.plan_text(&c);
            }, py::arg("cell") = py::none());
   // Note [Remote call node] (smp_core/remote_call.h).
-  m.def("connect_remote_call",
-        [](const std::shared_ptr<Dispatcher>& d, int owner, int64_t mb, int64_t call_id,
-           std::string name, const std::vector<at::Tensor>& inputs,
-           std::vector<at::Tensor> outputs, const std::vector<bool>& requires_grad) {
-          RemoteCallId id{owner, mb, call_id, std::move(name)};
-          return connect_remote_call(d, std::move(id), inputs, std::move(outputs), requires_grad);
-        },
-        py::arg("dispatcher"), py::arg("owner"), py::arg("mb"), py::arg("call_id"),
-        py::arg("name"), py::arg("inputs"), py::arg("outputs"), py::arg("requires_grad"));
   m.def("parse_gradient_flags",
         [](const py::bytes& meta, size_t n, const std::string& what) {
           return parse_gradient_flags(std::string(meta), n, what);

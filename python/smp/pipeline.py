@@ -18,7 +18,10 @@ receive order, the compute token's priorities, the driver's window and the hand-
 the lead when a request makes a nested call. A task computes only while it holds the
 rank's compute token, and gives it up while it waits for a message, so another
 microbatch's work proceeds: that is the pipeline. Python runs what it is handed: a
-module's forward (`Engine.serve`), or one microbatch's step body (`Engine._drive`).
+module's forward (`_Modules.run`, for the C++ server: Note [Known forward requests]
+in smp_core/serve.h), or one microbatch's step body (`Engine._drive`). A remote call
+is made in C++ too (Note [Known calls] in smp_core/call.h); Python reads the subtree's
+modes before it and pickles what is not a plain tensor (smp/remote_call.py).
 Messages are matched by (microbatch, call id, kind), never by arrival order.
 
 Failures: a module that raises on its owner is answered with an ERROR carrying the
@@ -38,8 +41,8 @@ import smp._C as _C
 from smp import groups, log, placement, process_state
 from smp.nested import TensorSlot, map_leaves, unflatten
 from smp.ranks import pp_rank, pp_size, rank
-from smp.remote_call import (ONE_TENSOR, Call, anchor, decode, encode_outputs, encode_request,
-                             rebuild, request_plan)
+from smp.remote_call import (flatten_args, flatten_outputs, unflatten_args,
+                             unflatten_outputs)
 from smp.remote_errors import RemoteTraceback, error_payload, raise_remote, remote_exception
 from smp.task import current as _task
 from smp.timeline import timeline
@@ -53,26 +56,6 @@ _CALL_ID_STRIDE = 1 << 40
 def _encode_error(text):
     """The ERROR payload for a failure the C++ dispatcher met outside the handler."""
     return error_payload(RuntimeError(text))
-
-
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
-
-
-def _autocast_on():
-    if _ANY_AUTOCAST is not None:  # one check (~0.2 us)
-        return _ANY_AUTOCAST()
-    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()  # torch < 2.1
-
-
-def _uncached(leaves):
-    """What a served module gets for the request's `leaves` (Note [Received inputs are
-    not weights] in smp_core/autocast_state.h): while autocast is on, a view of each
-    float32 leaf that requires grad, so autocast does not cache its cast as a
-    weight's."""
-    if not _autocast_on():
-        return leaves
-    return [t.view_as(t) if t.requires_grad and t.dtype == torch.float32 else t
-            for t in leaves]
 
 
 def _travels(t):
@@ -107,6 +90,100 @@ def _decode_step_end(msg):
     return results, msg.call_id != 0
 
 
+class _OwnErrors:
+    """This step's exceptions raised here while serving, and the hooks the C++ server
+    and dispatcher call with an error: the origin rank raises its own exception object
+    again (Note [One traceback per error] in smp/remote_errors.py)."""
+
+    def __init__(self):
+        self.errors = []
+
+    def clear(self):
+        self.errors = []
+
+    def own_error(self, exc):
+        """The exception this rank raised while serving that `exc` (received back from
+        the driver) is a copy of, or None."""
+        for mine in self.errors:
+            if type(mine) is type(exc) and str(mine) == str(exc):
+                return mine
+        return None
+
+    def raise_answer(self, meta):
+        """Raises the exception an ERROR answer or the step's ABORT carries (the C++
+        caller and a remote call's C++ backward: Dispatcher.raise_answer)."""
+        raise_remote(meta, self.own_error)
+
+    def request_failed(self, exc, mb, backward):
+        """Note [Known forward requests] in smp_core/serve.h: the ERROR answer's
+        payload for a request of microbatch `mb` that raised `exc` (`backward`: a
+        backward request)."""
+        return self._failed(exc, (pp_rank(), mb, backward))
+
+    def backward_failed(self, exc, mb, weight):
+        """Note [Served backward]: the ERROR answer's payload for a call of microbatch
+        `mb` whose backward, served in C++, raised `exc` (`weight`: in its W, under
+        zero_bubble; the cell then says so, for the plan's marking)."""
+        return self._failed(exc, (pp_rank(), mb, True) + ((True,) if weight else ()))
+
+    def _failed(self, exc, cell):
+        if getattr(exc, "_smp_cell", None) is None:
+            try:
+                exc._smp_cell = cell
+            except AttributeError:
+                pass
+        self.errors.append(exc)  # See Note [One traceback per error]
+        return error_payload(exc)
+
+
+class _Modules:
+    """What only Python can do to serve a request (Note [Known forward requests] in
+    smp_core/serve.h): run an owned module in its subtree's train/eval modes, with the
+    thread's microbatch set for the module's nested calls, from and to the structures
+    smp/remote_call.py pickles. Holds the modules, not the engine."""
+
+    def __init__(self, owned, subtrees):
+        self.owned = owned        # module name -> module (served here)
+        self.subtrees = subtrees  # module name -> its subtree's modules (mode flags)
+        # Seconds in the served modules' own forward (the backward's is the dispatcher's:
+        # Engine.compute_s; the rest of the compute-token time is smp's per-request
+        # overhead; bench/pipeline.py).
+        self.forward_s = 0.0
+
+    def run(self, name, mb, flags, args, skeleton):
+        """Runs module `name` for microbatch `mb` (C++ sets the grad mode): first in
+        mode `flags` unless None (a request known this step), on the tensors `args`,
+        positionally or as pickled `skeleton` places them. Returns (the output as
+        remote_call.flatten_outputs gives it, whether a module's mode switched)."""
+        changed = False
+        if flags is not None:
+            subtree = self.subtrees[name]
+            changed = placement.mode_flags(subtree) != flags
+            if changed:
+                placement.apply_mode_flags(subtree, flags)
+        kwargs = {}
+        if skeleton is not None:
+            args, kwargs = unflatten_args(skeleton, args)
+        prev = _task.mb, _task.backward
+        _task.mb, _task.backward = mb, False
+        try:
+            if timeline.enabled or Engine.task_context is not None:
+                with timeline.span(f"fwd {name}", mb=mb), Engine._task_context():
+                    out = self._forward(name, args, kwargs)
+            else:
+                out = self._forward(name, args, kwargs)
+        finally:
+            _task.mb, _task.backward = prev
+        return flatten_outputs(out), changed
+
+    def _forward(self, name, args, kwargs):
+        t = time.perf_counter()
+        try:
+            return self.owned[name](*args, **kwargs)
+        finally:
+            self.forward_s += time.perf_counter() - t
+
+
 class Engine:
     """Per-process pipeline state: transport, owned modules, recorded calls."""
 
@@ -127,13 +204,10 @@ class Engine:
         self._set_payload_transport(pp_ranks)
         self.owned = {}        # module name -> module (served here)
         self.subtrees = {}     # module name -> its subtree's modules (mode flags)
-        self.own_errors = []   # this step's exceptions raised here while serving
+        self.errors = _OwnErrors()
+        self.modules = _Modules(self.owned, self.subtrees)
         self.lock = threading.Lock()
         self.epoch = 0
-        # Seconds this rank spent in served modules' own forward (the backward's is the
-        # dispatcher's: compute_s; the rest of the compute-token time is smp's
-        # per-request overhead; bench/pipeline.py).
-        self._forward_s = 0.0
         # Note [Task threads] (smp_core/detail/task_pool.h): persistent C++ threads,
         # each with a Python thread state of its own, entering Python only to serve a
         # request or run a step body.
@@ -143,25 +217,20 @@ class Engine:
         # applied by the C++ dispatcher, which hands this engine the work to run.
         self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, pp_size(),
                                     self.cfg.active_microbatches)
-        # Note [Known forward requests] (python/csrc/bind_pipeline.cpp): a request whose
-        # metadata this rank served this step already runs without this engine's Python.
-        self.known = _C.KnownForwards(_task, self._known_answer, self._known_failed,
-                                      ONE_TENSOR[False], ONE_TENSOR[True])
-        self._known_meta = {}  # module name -> the metadata registered for it
-        self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self._handle,
-                                      self.threads, _encode_error, self._raise_answer,
-                                      self.known)
+        # Note [Known forward requests] (smp_core/serve.h): every request this rank
+        # serves runs through one C++ function, which enters Python only to run the
+        # module.
+        self.known = _C.Server(self.modules.run, self.errors.request_failed, pp_rank())
+        self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self.known, self.threads,
+                                      _encode_error, self.errors.raise_answer)
         # Note [Served backward] (smp_core/dispatch.h): a served forward that recorded a
         # graph leaves its inputs and outputs to the dispatcher, which serves the call's
         # backward in C++; a failure there comes back here to be answered.
-        self.dispatch.set_failure_encoder(self._backward_failed)
-        # Note [Known calls] (python/csrc/bind_calls.cpp): `engine.call(name, owner,
-        # args, kwargs)`, which placement routes every remote module's call to, is C++;
-        # it hands what it does not know to `_call_python`, and numbers every call.
-        self.calls = _C.Calls(self.dispatch, self, _task, encode_request, decode, rebuild,
-                              anchor(), ONE_TENSOR[False], ONE_TENSOR[True],
-                              pp_rank() * _CALL_ID_STRIDE)
-        self.call = self.calls
+        self.dispatch.set_failure_encoder(self.errors.backward_failed)
+        # Note [Known calls] (smp_core/call.h): every call of a module another pp rank
+        # owns is made by one C++ function (Engine.call).
+        self.calls = _C.Caller(self.dispatch, pp_rank() * _CALL_ID_STRIDE, flatten_args,
+                               unflatten_outputs)
         self.dispatch.record_spans(timeline.enabled)
         self._forwards_first = self.schedule.forwards_before_backwards()
         self._planned = self.cfg.pipeline_order == "planned"
@@ -187,7 +256,7 @@ class Engine:
     @property
     def compute_s(self):
         """Seconds spent in served modules' own forward and backward on this rank."""
-        return self._forward_s + self.known.forward_s + self.dispatch.stats().backward_s
+        return self.modules.forward_s + self.dispatch.stats().backward_s
 
     def order_gradients(self, params):
         """Note [Gradient order] (smp_core/dispatch.h): `params`, the parameters this
@@ -219,148 +288,34 @@ class Engine:
 
     # --- caller side ------------------------------------------------------------------
 
-    def call_remote(self, owner, request, kind, what):
-        """Sends `request` to pp rank `owner` and waits for its answer (`kind`); the
-        dispatcher runs requests of the microbatch that arrive meanwhile (nested calls
-        back into this rank), and carries the microbatch's random stream both ways."""
-        # A thread that is no task (autograd's device thread running a remote call's
-        # backward for the task that waits on it) yields the task's token.
-        foreign = _task.mb is None
-        msg = self.dispatch.call(owner, request, int(kind), bool(_task.backward) or foreign,
-                                 what, foreign)
-        if msg.kind == K.ERROR or msg.kind == K.ABORT:
-            self._raise_answer(msg.meta)
-        return msg
-
-    def _raise_answer(self, meta):
-        """Raises the exception an ERROR answer or the step's ABORT carries (also for the
-        C++ backward of a remote call: Dispatcher.raise_answer)."""
-        raise_remote(meta, self.own_error)
-
-    def _call_python(self, name, owner, args, kwargs):
-        """Runs module `name` on pp rank `owner` for the current microbatch: the calls
-        that Note [Known calls] hands back (any argument layout, the timeline on)."""
-        mb = _task.mb
-        if mb is None:
-            raise RuntimeError(f"smp: module '{name}' lives on pp rank {owner}; call the "
-                               "model inside an @smp.step function")
-        grad = torch.is_grad_enabled()
-        tensors = []
-        meta = encode_request(name, args, kwargs, tensors, grad,
-                              placement.mode_flags(self.subtrees[name]))
-        call = Call(self, name, owner, mb, self.calls.next_id(mb), meta)
-        outs = call.forward(tensors)
-        if grad:
-            outs = call.connect(tensors, outs)
-        return rebuild(call.out_skeleton, outs)
-
-    # --- owner side -------------------------------------------------------------------
-
-    def _handle(self, msg):
-        """The dispatcher's handler: runs one request with the token held (on whichever
-        thread the dispatcher chose) and returns the answer it sends; whatever goes wrong
-        becomes an ERROR answer, so the caller raises it."""
-        prev = _task.mb, _task.backward
-        _task.mb, _task.backward = msg.mb, msg.kind == K.BACKWARD_REQUEST
-        try:
-            with self._task_context():
-                return self.serve(msg)
-        except BaseException as exc:  # the caller re-raises it with our traceback
-            return self._known_failed(msg, exc)
-        finally:
-            _task.mb, _task.backward = prev
-
-    def _known_failed(self, msg, exc):
-        """The ERROR answer of request `msg`, whose module raised `exc` (also for Note
-        [Known forward requests])."""
-        self.own_errors.append(exc)  # See Note [One traceback per error]
-        return _C.Message(msg.mb, msg.call_id, K.ERROR, error_payload(exc), [])
-
-    def _backward_failed(self, exc, mb, weight):
-        """Note [Served backward]: the ERROR answer's payload for a call of microbatch
-        `mb` whose backward, served in C++, raised `exc` (`weight`: in its W, under
-        zero_bubble; the cell then says so, for the plan's marking)."""
-        if getattr(exc, "_smp_cell", None) is None:
-            try:
-                exc._smp_cell = (pp_rank(), mb, True) + ((True,) if weight else ())
-            except AttributeError:
-                pass
-        self.own_errors.append(exc)  # See Note [One traceback per error]
-        return error_payload(exc)
-
-    def serve(self, msg):
-        """Runs one forward request on this rank and returns the answer (microbatch and
-        call id are the request's), with the call's input leaves and outputs when it
-        recorded a graph: the dispatcher keeps those and serves the call's backward in
-        C++ (Note [Served backward]). Errors propagate: `_handle` answers them."""
-        if msg.kind != K.REQUEST:  # its forward kept nothing: it recorded no graph here
-            raise RuntimeError(f"smp: pp rank {pp_rank()} got the backward of call "
-                               f"{msg.call_id} (microbatch {msg.mb}) from pp rank {msg.src}, "
-                               "whose forward recorded no autograd graph here")
-        meta = msg.meta
-        name, skeleton, requires_grad, grad, flags, positional = request_plan(meta)
-        self._forget(name)  # its subtree's modes may change here
-        placement.apply_mode_flags(self.subtrees[name], flags)
-        with timeline.span(f"fwd {name}", mb=msg.mb):
-            inputs = [t.requires_grad_() if rg and grad else t
-                      for t, rg in zip(msg.tensors, requires_grad)]
-            t = time.perf_counter()
-            with torch.set_grad_enabled(grad):
-                given = _uncached(inputs) if grad else inputs
-                if positional:
-                    args, kwargs = given, {}
-                else:
-                    args, kwargs = unflatten(skeleton, given)
-                out = self.owned[name](*args, **kwargs)
-            self._forward_s += time.perf_counter() - t
-            answer = self._known_answer(msg, out, inputs, grad)
-        if (positional and isinstance(out, torch.Tensor) and not timeline.enabled
-                and Engine.task_context is None):
-            self._know(name, meta, requires_grad, grad)
-        return answer
-
-    def _known_answer(self, msg, out, inputs, grad):
-        """The answer to request `msg` whose module returned `out`: the RESPONSE, with
-        the call's leaves and outputs when it recorded a graph (Note [Served
-        backward])."""
-        outs = []
-        meta = encode_outputs(out, outs)
-        answer = _C.Message(msg.mb, msg.call_id, K.RESPONSE, meta, [t.detach() for t in outs])
-        return (answer, inputs, outs) if grad else answer
-
-    # Note [Known forward requests] (python/csrc/bind_pipeline.cpp): the entries Python
-    # registers, one per module name, and forgets whenever a subtree's modes may change.
-    def _know(self, name, meta, requires_grad, grad):
-        self.known.add(meta, self.owned[name], list(requires_grad), grad)
-        self._known_meta[name] = meta
-
-    def _forget(self, name):
-        """Forgets the entries of `name` and of any module name whose subtree shares a
-        module with it (applying `name`'s mode flags may change theirs)."""
-        if not self._known_meta:
-            return
-        mine = {id(m) for m in self.subtrees[name]}
-        for other in [n for n in self._known_meta
-                      if n == name or mine.intersection(id(m) for m in self.subtrees[n])]:
-            self.known.remove(self._known_meta.pop(other))
+    def call(self, name, owner, args, kwargs):
+        """Runs module `name` on pp rank `owner` for the calling task's microbatch:
+        placement routes every remote module's call here. C++ makes the call (Note
+        [Making a remote call] in smp_core/call.h) with the subtree's train/eval flags
+        (Note [Mode travels with the call] in smp/placement.py)."""
+        flags = placement.mode_flags(self.subtrees[name])
+        if not timeline.enabled:
+            return self.calls(name, owner, args, kwargs, flags)
+        with timeline.span(f"call {name}", mb=_task.mb):
+            return self.calls(name, owner, args, kwargs, flags)
 
     # --- the step ---------------------------------------------------------------------
 
-    def _task_context(self):
+    @staticmethod
+    def _task_context():
         return Engine.task_context() if Engine.task_context else contextlib.nullcontext()
 
     def run_step(self, fn, mb_inputs):
         """Runs one step; returns (per-microbatch results, whether backward ran) on
         every pp rank (the driver sends both with STEP_END)."""
-        # Note [Known forward requests]: modes may have changed between steps.
-        self.known.clear()
-        self._known_meta.clear()
-        self.calls.clear_ids()
-        self.own_errors = []
+        # Note [Known forward requests] (smp_core/serve.h): modes may have changed
+        # between steps.
+        self.known.begin_step()
+        self.calls.begin_step()
+        self.errors.clear()
         self._backward_ran = False
         self._open_epoch()
         timeline.begin_step()  # SMP_TIMELINE_STEPS counts the pipelined steps
-        self.calls.enabled = not timeline.enabled  # Python's path records the spans
         # Deterministic: a microbatch's random numbers do not depend on timing, the
         # schedule or the partitioning (Note [Microbatch random streams] in
         # smp_core/task_rng.h), and gradients sum in microbatch order (Note [Gradient
@@ -498,19 +453,11 @@ class Engine:
         if msg.kind == K.ABORT:
             exc, text, origin = remote_exception(msg.meta)
             self.log_failure(exc)
-            mine = self.own_error(exc) if origin == rank() else None
+            mine = self.errors.own_error(exc) if origin == rank() else None
             if mine is not None:
                 raise mine  # See Note [One traceback per error]
             raise exc from RemoteTraceback(text)
         return _decode_step_end(msg)
-
-    def own_error(self, exc):
-        """The exception this rank raised while serving that `exc` (received back from
-        the driver) is a copy of, or None."""
-        for mine in self.own_errors:
-            if type(mine) is type(exc) and str(mine) == str(exc):
-                return mine
-        return None
 
     # "simple": every microbatch's forward finishes before any backward starts (C++).
     # Under the other schedules both are no-ops: not crossing into C++ for them saves
@@ -530,8 +477,6 @@ class Engine:
     def shutdown(self):
         self.threads.stop()
         self.dispatch = None  # it holds this engine's handler: break the cycle
-        self.calls.close()  # it holds this engine and the dispatcher
-        self.known.clear()  # its entries hold modules, its callbacks this engine
-        self.known = None
-        self._known_meta = {}
+        self.calls.close()  # it holds the dispatcher
+        self.known = None  # its hooks hold the modules
         self.p2p = None

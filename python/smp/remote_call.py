@@ -1,7 +1,17 @@
-"""One call of a module owned by another pp rank, as one node of the caller's autograd
-graph: `Call.forward` sends the request and returns the owner's outputs; `Call.connect`
-makes them outputs of a C++ autograd node whose backward sends the output gradients and
-returns the input gradients the owner computed on the graph it kept for that call."""
+"""What only Python can do for a remote call: pickle the structure of arguments and
+outputs that are not plain tensors, and rebuild it.
+
+A remote call is made in C++ (`smp._C.Caller`, Note [Known calls] in smp_core/call.h)
+and served in C++ (`smp._C.Server`, Note [Known forward requests] in
+smp_core/serve.h); their metadata has one encoder, in C++ (Note [Call metadata] in
+smp_core/call_meta.h). A call whose tensors are passed positionally, each once, and
+that returns one tensor needs nothing from here. Any other call hands its structure
+to these functions: `flatten_args` on the caller, `unflatten_args` and
+`flatten_outputs` on the owner, `unflatten_outputs` back on the caller.
+
+`encode_request`, `encode_outputs`, `request_plan` and `decode` give Python's view of
+the C++ encoding (tests, tools): they convert as the two sides do and call its encoder.
+"""
 import pickle
 
 import torch
@@ -9,21 +19,11 @@ import torch
 import smp._C as _C
 from smp.memo import Memo
 from smp.nested import TensorSlot, flatten, unflatten
-from smp.timeline import timeline
 
 __all__ = []
 
-K = _C.MsgKind
-
-
-_ANCHOR = None
-
-# What repeats every microbatch and every step, memoized (smp/memo.py): decoded
-# metadata, request plans and the metadata of positional requests.
+# Decoded skeletons repeat every microbatch and every step (smp/memo.py).
 _DECODED = Memo()
-_PLANS = Memo()
-_REQUESTS = Memo()
-
 
 _SCALARS = (int, float, complex, bool, str, bytes, type(None), TensorSlot, torch.dtype,
             torch.device)
@@ -39,99 +39,81 @@ def _shareable(value):
     return isinstance(value, _SCALARS)
 
 
-def request_plan(meta):
-    """A REQUEST's decoded metadata (module name, argument skeleton, which inputs
-    require grad, grad mode, mode flags) and whether the arguments are just the tensors,
-    positionally (then the owner calls the module with them as they are), cached."""
-    return _PLANS.get(meta, lambda: _plan(meta), keep=lambda _: meta in _DECODED)
+def _unpickle(blob):
+    """pickle.loads of a pickled skeleton, cached: a call's structure repeats every
+    microbatch and every step. Only values made of immutable scalars are cached (a
+    fresh object each time otherwise)."""
+    return _DECODED.get(blob, lambda: pickle.loads(blob), keep=_shareable)
 
 
-def _plan(meta):
-    name, skeleton, requires_grad, grad, flags = decode(meta)
-    args, kwargs = skeleton
-    positional = not kwargs and type(args) is tuple and all(
-        type(a) is TensorSlot and a.index == i for i, a in enumerate(args))
-    return (name, skeleton, requires_grad, grad, flags, positional)
+# --- the hooks of the C++ caller and server -----------------------------------------
+
+def flatten_args(args, kwargs):
+    """(pickled skeleton, tensors) of a call's arguments (Caller's `flatten`)."""
+    tensors = []
+    skeleton = flatten((args, kwargs), tensors)
+    return pickle.dumps(skeleton), tensors
 
 
-# A single tensor output's RESPONSE metadata, by its requires_grad (also used by Note
-# [Known forward requests] in python/csrc/bind_pipeline.cpp).
-ONE_TENSOR = {rg: pickle.dumps((TensorSlot(0), [rg])) for rg in (False, True)}
+def unflatten_args(skeleton, tensors):
+    """(args, kwargs) of a general request, from its pickled skeleton and tensors."""
+    return unflatten(_unpickle(skeleton), tensors)
 
+
+def flatten_outputs(out):
+    """A module's output as its answer carries it: the tensor itself, or (pickled
+    skeleton, tensors)."""
+    if isinstance(out, torch.Tensor):  # the usual case: one tensor
+        return out
+    tensors = []
+    skeleton = flatten(out, tensors)
+    return pickle.dumps(skeleton), tensors
+
+
+def unflatten_outputs(skeleton, tensors):
+    """What the module returned, from its answer's pickled skeleton and tensors
+    (Caller's `unflatten`)."""
+    return unflatten(_unpickle(skeleton), tensors)
+
+
+# --- Python's view of the C++ encoding ----------------------------------------------
 
 def encode_request(name, args, kwargs, tensors, grad, flags):
-    """The REQUEST metadata of calling module `name` with (args, kwargs); appends the
-    tensors to `tensors`. Tensors passed positionally (the usual case) need no skeleton
-    pickled per call: their metadata is cached."""
-    if (not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-            and len({id(a) for a in args}) == len(args)):  # no tensor passed twice
-        tensors.extend(args)
-        key = (name, tuple(t.requires_grad for t in args), grad, flags)
-        return _REQUESTS.get(key, lambda: pickle.dumps(
-            (name, (tuple(TensorSlot(i) for i in range(len(args))), {}), list(key[1]), grad,
-             flags)))
-    skeleton = flatten((args, kwargs), tensors)
-    return pickle.dumps((name, skeleton, [t.requires_grad for t in tensors], grad, flags))
+    """The REQUEST metadata of calling module `name` with (args, kwargs) under grad mode
+    `grad` and mode flags `flags`, as Caller encodes it; appends the tensors that travel
+    to `tensors`."""
+    skeleton, mine = _C.call_args(args, kwargs, flatten_args)
+    tensors.extend(mine)
+    return _C.encode_request(name, [t.requires_grad for t in mine], grad, flags, skeleton)
+
+
+def request_plan(meta):
+    """A REQUEST's decoded metadata (module name, argument skeleton, which tensors
+    require grad, grad mode, mode flags) and whether the arguments are just the
+    tensors, positionally."""
+    name, requires_grad, grad, flags, skeleton = _C.decode_request(meta)
+    if skeleton is None:
+        return (name, (tuple(TensorSlot(i) for i in range(len(requires_grad))), {}),
+                requires_grad, grad, flags, True)
+    return name, _unpickle(skeleton), requires_grad, grad, flags, False
 
 
 def encode_outputs(out, outs):
-    """The RESPONSE metadata for module output `out`; appends its tensors to `outs`."""
-    if isinstance(out, torch.Tensor):  # the usual case: one tensor
-        outs.append(out)
-        return ONE_TENSOR[out.requires_grad]
-    skeleton = flatten(out, outs)
-    return pickle.dumps((skeleton, [t.requires_grad for t in outs]))
+    """The RESPONSE metadata for module output `out`, as Server encodes it; appends its
+    tensors to `outs`."""
+    flat = flatten_outputs(out)
+    if isinstance(flat, torch.Tensor):
+        outs.append(flat)
+        return _C.encode_answer([flat.requires_grad], None)
+    skeleton, tensors = flat
+    outs.extend(tensors)
+    return _C.encode_answer([t.requires_grad for t in tensors], skeleton)
 
 
 def decode(meta):
-    """pickle.loads of a message's metadata, cached: a call's metadata (module name,
-    argument structure, flags) repeats every microbatch and every step. Only values made
-    of immutable scalars are cached (a fresh object each time otherwise)."""
-    return _DECODED.get(meta, lambda: pickle.loads(meta), keep=_shareable)
-
-
-def rebuild(skeleton, outs):
-    """What the module returned, from its answer's skeleton and output tensors."""
-    if type(skeleton) is TensorSlot:  # one tensor returned
-        return outs[skeleton.index]
-    return unflatten(skeleton, list(outs))
-
-
-def anchor():
-    """A scalar that requires grad, so every remote call is a node of the graph even
-    when none of its inputs requires grad (the owner's parameters still need grads)."""
-    global _ANCHOR
-    if _ANCHOR is None:
-        _ANCHOR = torch.zeros((), requires_grad=True)
-    return _ANCHOR
-
-
-class Call:
-    """One remote call: its identity and the owner's answer. Its backward is a C++
-    autograd node (`_C.connect_remote_call`, Note [Remote call node] in
-    smp_core/remote_call.h): it sends the output gradients and takes the input gradients
-    without entering Python."""
-
-    def __init__(self, engine, name, owner, mb, call_id, meta):
-        self.engine, self.name, self.owner, self.mb, self.call_id = engine, name, owner, mb, call_id
-        self.meta = meta  # encode_request's
-        self.out_skeleton = None
-        self.out_requires_grad = []
-
-    def forward(self, tensors):
-        e = self.engine
-        meta = self.meta
-        with timeline.span(f"call {self.name}", mb=self.mb):
-            msg = e.call_remote(self.owner,
-                                _C.Message(self.mb, self.call_id, K.REQUEST, meta,
-                                           [t.detach() for t in tensors]),
-                                K.RESPONSE, f"the output of '{self.name}' (microbatch {self.mb}, "
-                                f"call {self.call_id}) from pp rank {self.owner}")
-        self.out_skeleton, self.out_requires_grad = decode(msg.meta)
-        return msg.tensors
-
-    def connect(self, tensors, outs):
-        """`outs` (the answer), as outputs of the call's autograd node over `tensors`."""
-        return _C.connect_remote_call(self.engine.dispatch, self.owner, self.mb, self.call_id,
-                                      self.name, [anchor()] + tensors, outs,
-                                      self.out_requires_grad)
+    """Metadata decoded: an answer's (skeleton, which outputs require grad) from the
+    C++ encoding; anything else is pickled, and unpickled (cached: see _unpickle)."""
+    if meta[:1] == b"A":  # Note [Call metadata]: an answer's tag (a pickle starts b"\x80")
+        requires_grad, skeleton = _C.decode_answer(meta)
+        return (TensorSlot(0) if skeleton is None else _unpickle(skeleton)), requires_grad
+    return _unpickle(meta)

@@ -8,7 +8,8 @@ The traceback text that travels is always the origin's own: an exception that wa
 itself received from another rank (`remote_exception`) keeps its origin's text and rank
 when it is sent on (the driver forwards a module's error to every pp rank with ABORT),
 so no rank prints a chain of chains. The origin rank raises its own exception object
-again (`Engine.own_error`), with its own traceback, rather than the copy that came back.
+again (`_OwnErrors.own_error` in smp/pipeline.py), with its own traceback, rather
+than the copy that came back.
 """
 import pickle
 import traceback

@@ -503,9 +503,9 @@ for k, v in ref.state_dict().items():  # running_mean, running_var, num_batches_
 
 
 def test_known_forward_requests_serve_repeats_and_follow_mode_switches(ranks):
-    # Note [Known forward requests] (python/csrc/bind_pipeline.cpp): the first forward
-    # request of a step with given metadata goes through Python, the others of the step
-    # are served from C++. A BatchNorm on pp rank 1 must see the mode of each step
+    # Note [Known forward requests] (smp_core/serve.h): the first forward request of a
+    # step with given metadata applies its subtree's mode flags, the others of the step
+    # are known and skip them. A BatchNorm on pp rank 1 must see the mode of each step
     # (train, eval under no_grad, train again), and its running statistics and every
     # parameter must equal one process's.
     script = MODELS + r"""
@@ -529,16 +529,16 @@ print("known", json.dumps({"rank": smp.pp_rank(), "served": model._engine.known.
 """
     for r in ranks(script, 2, timeout=120):
         got = json.loads(r.stdout.split("known", 1)[1].splitlines()[0])
-        # Pp rank 1 serves 4 forward requests a step: the first through Python, the
-        # other 3 from C++, in each of the 4 steps. The driver serves none.
+        # Pp rank 1 serves 4 forward requests a step: the first applies the flags, the
+        # other 3 are known, in each of the 4 steps. The driver serves none.
         assert got["served"] == (3 * 4 if got["rank"] == 1 else 0), got
 
 
 def test_known_calls_take_cpp_and_hand_the_rest_to_python(ranks):
-    # Note [Known calls] (python/csrc/bind_calls.cpp): on the driver, a call with its
-    # tensors passed positionally is made in C++, whatever it returns; keyword
-    # arguments and a tensor passed twice go to Python's path. Both paths number their
-    # calls from one counter, in one microbatch. A subtree switched to eval between
+    # Note [Known calls] (smp_core/call.h): on the driver, a call with its tensors
+    # passed positionally pickles nothing, whatever it returns; keyword arguments and a
+    # tensor passed twice have Python pickle their structure. One C++ function makes
+    # and numbers every call. A subtree switched to eval between
     # steps, and evaluation under no_grad, change the request's metadata. Every
     # parameter, running statistic and output must equal one process's.
     script = MODELS + r"""
@@ -587,5 +587,5 @@ print("calls", json.dumps({"rank": smp.pp_rank(), "fast": model._engine.calls.fa
     for r in ranks(script, 2, timeout=120):
         got = json.loads(r.stdout.split("calls", 1)[1].splitlines()[0])
         # The driver's `mid` and `pair` calls, 4 microbatches x 5 steps; `scaled`
-        # (keyword) and `twice` (b passed twice) went to Python's path.
+        # (keyword) and `twice` (b passed twice) had their structure pickled.
         assert got["fast"] == (2 * 4 * 5 if got["rank"] == 0 else 0), got

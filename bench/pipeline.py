@@ -234,10 +234,13 @@ def reference_work_ms(net, model, steps):
     reference pays the same contention for the two cores and the memory system as the
     pipeline's compute did; measured alone on an idle machine it would be ~10-25%
     faster and that machine effect would be counted as smp's overhead."""
+    import copy
     import torch
     import smp
     mine = {id(m) for m in model.local_modules()}
-    seq = torch.nn.Sequential(*[m for m in net if id(m) in mine])
+    # Copies: a backward on the model's own parameters outside @smp.step is refused by
+    # the gradient guard (Note [Unreduced gradients] in smp_core/grad_guard.cpp).
+    seq = copy.deepcopy(torch.nn.Sequential(*[m for m in net if id(m) in mine]))
     opt = torch.optim.SGD(seq.parameters(), lr=0.01)
     xs = torch.randn(BATCH // M, WIDTH)
 

@@ -345,8 +345,15 @@ class Engine:
 
     def _log_departure(self, stats):
         """Note [Leaving the plan] (smp_core/detail/plan_execution.cpp): a step that left
-        its plan says why, on the rank that saw it."""
+        its plan says why, on the rank that saw it. A planned step's lists go in the
+        timeline: this rank's planned actions and those it ran, the strings the plan's
+        log and failure table print."""
+        planned = stats.planned_steps > self._planned_seen
         self._planned_seen = stats.planned_steps
+        if planned and timeline.enabled and timeline.recording:
+            now = time.perf_counter()
+            timeline.event("plan", now, now, planned=self.dispatch.planned_actions(),
+                           executed=self.dispatch.executed_actions())
         if stats.plan_fallbacks == self._fallbacks:
             return
         self._fallbacks = stats.plan_fallbacks

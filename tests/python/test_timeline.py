@@ -4,7 +4,8 @@
   rank's file stays within the bound, is valid JSON as it is (closed array), ends with
   the stop marker, and the job runs on to its last step.
 - SMP_TIMELINE_STEPS=a:b records exactly the steps a .. b-1 (the driver's microbatch
-  spans count (b - a) x microbatches) and closes the file after them.
+  spans count (b - a) x microbatches) and closes the file after them; each of those
+  steps, planned, leaves a "plan" event with the rank's planned and executed actions.
 - A bad SMP_TIMELINE_MAX_MB or SMP_TIMELINE_STEPS is a ConfigError naming the variable
   and the value.
 - `python3 -m smp.timeline` merges the ranks' files with nothing on stderr (no runpy
@@ -76,6 +77,15 @@ def test_step_window_records_those_steps_only(ranks, tmp_path):
         assert sum(e["ph"] == "X" for e in events) > 0, events
     driver = json.loads((tmp_path / "tl.rank0.json").read_text())
     assert sum(e["name"] == "microbatch" for e in driver) == 2 * 2, driver  # 2 steps x 2 mb
+    # Each recorded step ran its plan; the trace holds the list each rank walked, as
+    # the plan's log prints it, and what it ran (the same).
+    for r in range(2):
+        events = json.loads((tmp_path / f"tl.rank{r}.json").read_text())
+        plans = [e["args"] for e in events if e["name"] == "plan"]
+        assert len(plans) == 2, events
+        for p in plans:
+            assert p["planned"] and p["executed"] == p["planned"], p
+            assert all(a[0] in "FBIW" for a in p["planned"]), p
 
 
 def test_bad_bounds_are_config_errors(tmp_path):

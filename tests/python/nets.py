@@ -5,7 +5,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-__all__ = ["Net", "Nested", "gpt_job", "state_digest", "train_gpt"]
+__all__ = ["Net", "Nested", "gpt_job", "reset_peak", "state_digest", "status_mb", "train_gpt"]
 
 
 class Net(nn.Module):
@@ -107,3 +107,18 @@ class _Outer(nn.Module):
         h = self.inner(self.lin(x))
         with torch.autocast("cpu", enabled=False):
             return self.kept_fp32(h.float()) + h
+
+
+def status_mb(field):
+    """This process's /proc/self/status `field` in MB: VmRSS (resident now) or VmHWM (the
+    peak since the last reset_peak())."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+
+
+def reset_peak():
+    """Resets VmHWM to the resident size now (Linux clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

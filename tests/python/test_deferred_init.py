@@ -179,16 +179,7 @@ opts = json.loads(sys.argv[1])
 WIDTH = 2048
 
 
-def status_mb(field):  # VmRSS: resident now; VmHWM: the peak since the last reset
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from nets import reset_peak, status_mb  # tests/python/nets.py
 
 
 smp.init({"partitions": 4, "microbatches": 1})

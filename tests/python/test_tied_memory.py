@@ -27,16 +27,7 @@ import smp
 VOCAB, D, TOKENS = 8000, 512, 16
 
 
-def status_mb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from nets import reset_peak, status_mb  # tests/python/nets.py
 
 
 class Net(nn.Module):

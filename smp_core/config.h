@@ -18,9 +18,10 @@ struct Config {
   int partitions = 1;
   // Microbatches a step's batch is split into.
   int microbatches = 1;
-  // Pipeline schedule: "interleaved" or "simple".
+  // Pipeline schedule: "interleaved", "simple", "1f1b" or "zero_bubble" (smp_core/plan.h).
   std::string pipeline = "interleaved";
-  // "dynamic": the order adapts to the step's real timing (priorities, receive order);
+  // "dynamic": no step executes a list; each is ordered by the plans' rule as its work
+  // becomes ready (Note [Order without a list] in smp_core/plan.cpp);
   // "planned" (the default): from the second training step on, the compiled plan is
   // executed as written (Note [Executed plan] in smp_core/detail/plan_execution.cpp).
   std::string pipeline_order = "planned";

@@ -183,6 +183,7 @@ void Dispatcher::Impl::run(const Message& msg) {
   task.rng = msg.rng;
   TaskScope scope(&task);
   const detail::HeldToken held(*p2p, admit(msg.mb, detail::phase_of(msg)));
+  took(msg.mb, static_cast<int32_t>(detail::phase_of(msg)));
   run_held(msg, /*installed=*/true);
 }
 
@@ -274,14 +275,23 @@ void Dispatcher::Impl::rethrow_error() {
   if (e) std::rethrow_exception(e);
 }
 
-Dispatcher::Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handler handler,
+PlanOptions Dispatcher::Impl::checked(PlanOptions o) {
+  for (auto [name, value] : {std::pair{"microbatches", o.microbatches},
+                             std::pair{"partitions", o.stages},
+                             std::pair{"active_microbatches", o.active_microbatches}})
+    if (value < 1)
+      throw ConfigError(str_cat("smp: pipeline '", name, "'=", value, " is not an integer >= 1"));
+  return o;
+}
+
+Dispatcher::Dispatcher(std::shared_ptr<P2PEngine> p2p, PlanOptions options, Handler handler,
                        Spawn spawn, ErrorEncoder encode_error)
-    : impl_(std::make_unique<Impl>(std::move(p2p), std::move(schedule), std::move(handler),
+    : impl_(std::make_unique<Impl>(std::move(p2p), std::move(options), std::move(handler),
                                    std::move(spawn), std::move(encode_error))) {}
 
 Dispatcher::~Dispatcher() { impl_->remove_gates(); }
 
-const Schedule& Dispatcher::schedule() const { return impl_->schedule; }
+const PlanOptions& Dispatcher::options() const { return impl_->opts; }
 
 void Dispatcher::set_error_raiser(ErrorRaiser raise) { impl_->raise_error = std::move(raise); }
 
@@ -341,7 +351,7 @@ void Dispatcher::drive(MicrobatchFn run) {
       if (streams) task.rng = task_rng::derive(seed, mb, I.step.rng_cuda);
       TaskScope scope(&task);
       I.p2p->acquire_token(claim_first ? I.admit(mb, Phase::kForward)
-                                       : I.schedule.priority(mb, Phase::kForward));
+                                       : I.priority(mb, Phase::kForward));
       if (!claim_first) {
         const int64_t expected = mb;
         mb = I.step.next_mb.fetch_add(1);
@@ -366,12 +376,15 @@ void Dispatcher::drive(MicrobatchFn run) {
           I.cv.notify_all();
         }
       } done{I, mb};
-      if (!claim_first) I.start_forward_action(mb, I.schedule.priority(mb, Phase::kForward));
+      if (!claim_first) I.start_forward_action(mb, I.priority(mb, Phase::kForward));
+      I.took(mb, static_cast<int32_t>(Phase::kForward));
       I.crossed();
       run(mb);
     }
   };
-  const int64_t threads = std::min<int64_t>(I.schedule.window(), n);
+  const int64_t threads = std::min<int64_t>(
+      driver_window(I.opts.kind, I.opts.microbatches, I.opts.stages, I.opts.active_microbatches),
+      n);
   std::exception_ptr start_error;
   for (int64_t i = 0; i < threads && !start_error; ++i) {
     try {
@@ -468,6 +481,7 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
       I.leave_plan(str_cat("pp rank ", msg.src, " called back into pp rank ", I.p2p->rank(),
                            " (microbatch ", msg.mb, ") while it awaited an answer: no plan has "
                            "nested calls"));
+      I.took(msg.mb, static_cast<int32_t>(detail::phase_of(msg)));
       I.run_held(msg);
       continue;
     }
@@ -480,6 +494,7 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
       I.forward_over(mb);  // Note [Forward order]
     else if (!for_holder && msg.kind != kError)
       I.start_forward_action(mb, priority);
+    if (msg.kind != kError) I.took(mb, static_cast<int32_t>(phase));
     return msg;
   }
 }
@@ -494,7 +509,7 @@ void Dispatcher::forward_finished(int64_t mb) {
 void Dispatcher::wait_all_forwards(int64_t mb) {
   auto& I = *impl_;
   I.crossed();
-  if (!I.schedule.forwards_before_backwards()) return;
+  if (!forwards_before_backwards(I.opts.kind)) return;
   if (I.p2p->rank() == 0) I.backward_begins(mb);
   I.wait_without_token(
       [&I] { return static_cast<int64_t>(I.step.forwards_done.size()) >= I.step.microbatches; },
@@ -503,6 +518,7 @@ void Dispatcher::wait_all_forwards(int64_t mb) {
         return str_cat("every microbatch's forward ('simple' pipeline) before backward (pp rank ",
                        I.p2p->rank(), ")");
       });
+  I.took(mb, static_cast<int32_t>(Phase::kBackward));
 }
 
 }  // namespace smp

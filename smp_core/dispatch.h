@@ -4,7 +4,7 @@
 //
 // Note [Serving]: a rank other than the driver serves the requests of every microbatch
 // with ONE thread at a time, the leader. The leader takes the next request in the
-// schedule's order (Note [Receive order] in p2p.h), acquires the compute token at the
+// step's order (Note [Receive order] in p2p.h), acquires the compute token at the
 // request's priority, runs it through the handler and sends the answer. Running every
 // microbatch on a thread of its own instead costs a thread switch per request and cold
 // per-thread state. Only when the request being run makes a nested remote call and
@@ -14,7 +14,7 @@
 // own microbatch that arrive meanwhile (a nested call back into this rank).
 //
 // The driver (pp rank 0) runs the step body once per microbatch, at most
-// schedule.window() microbatches in flight, each started in microbatch order with the
+// driver_window() microbatches in flight, each started in microbatch order with the
 // token held at its forward priority (drive()).
 //
 // Threads: the Dispatcher does not create threads. It asks `spawn` to run a body on a
@@ -37,7 +37,6 @@
 
 #include "smp_core/p2p.h"
 #include "smp_core/plan.h"
-#include "smp_core/scheduler.h"
 
 namespace smp {
 
@@ -60,14 +59,17 @@ class Dispatcher {
   // Default: CommError with the meta as text.
   using ErrorRaiser = std::function<void(const Message& answer)>;
 
-  Dispatcher(std::shared_ptr<P2PEngine> p2p, Schedule schedule, Handler handler, Spawn spawn,
+  // `options`: the step's kind, microbatches, stages (pp ranks) and active_microbatches
+  // (smp_core/plan.h): the plans this rank compiles, and the order of a step without one
+  // (Note [Order without a list] in plan.cpp). Throws ConfigError on a bad option.
+  Dispatcher(std::shared_ptr<P2PEngine> p2p, PlanOptions options, Handler handler, Spawn spawn,
              ErrorEncoder encode_error = nullptr);
   ~Dispatcher();
 
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
 
-  const Schedule& schedule() const;
+  const PlanOptions& options() const;
 
   // Whether running `spawn` enters Python (a Python thread pool; the default) and so
   // counts as a crossing in Stats; false for C++ threads (Note [Task threads] in
@@ -99,7 +101,7 @@ class Dispatcher {
   void order_gradients(const std::vector<at::Tensor>& params);
 
   // Driver: runs `run` for microbatches 0 .. microbatches-1 (begin_step's count) on
-  // at most schedule().window() threads, in microbatch order, under the calling
+  // at most driver_window() threads, in microbatch order, under the calling
   // thread's autocast state (Note [Autocast travels] in autocast_state.h); returns
   // when every one has returned. Rethrows the first exception a `run` let escape.
   void drive(MicrobatchFn run);
@@ -235,8 +237,9 @@ class Dispatcher {
   Stats stats() const;
 
   // Note [Executed plan]: this rank's planned actions of the current (or last) step in
-  // order and those it ran, in the order their tasks took the token ("F3", "B3", with
-  // ".h2" where the path visits the rank twice); both empty when the step had no plan.
+  // order (empty when the step had no plan), and those it ran, in the order their tasks
+  // took the token ("F3", "B3", with ".h2" where the path visits the rank twice; a step
+  // without a plan records its actions without hops: Note [Order without a list]).
   // plan_text(): every rank's lists (Plan::format) with `failed` marked, or "".
   std::vector<std::string> planned_actions() const;
   std::vector<std::string> executed_actions() const;

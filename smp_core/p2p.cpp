@@ -12,7 +12,7 @@
 // token meanwhile. State: the mailbox, its waiters, `fatal`, `epoch` and the stats under
 // `mu`; the payload group under `mu` too (set once, right after construction).
 #include "smp_core/p2p.h"
-#include "smp_core/scheduler.h"
+#include "smp_core/plan.h"
 
 #include <condition_variable>
 #include <cstring>
@@ -344,13 +344,14 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
   auto deadline = start + std::chrono::milliseconds(static_cast<int64_t>(I.timeout_s * 1000));
   // Note [Receive order]: rank of a message under `order` (smaller first; ties keep
   // arrival order). Step-level messages come first: an abort must not wait behind work.
-  // The schedule's own rule (smp_core/scheduler.h), so token and receive order agree.
-  const ScheduleKind kind = order == RecvOrder::kBackwardFirst ? ScheduleKind::kInterleaved
-                                                                : ScheduleKind::kSimple;
+  // The token's own rule (Note [Order without a list] in smp_core/plan.cpp), so token and
+  // receive order agree.
+  const PlanKind kind = order == RecvOrder::kBackwardFirst ? PlanKind::kInterleaved
+                                                            : PlanKind::kSimple;
   auto rank_of = [&](const Message& m) -> int64_t {
     if (m.kind == kAbort || m.kind == kStepEnd || m.kind == kPlan) return -1;
     const bool backward = m.kind == kBackwardRequest || m.kind == kBackwardResponse;
-    return schedule_priority(kind, m.mb, backward ? Phase::kBackward : Phase::kForward);
+    return order_priority(kind, m.mb, backward ? Phase::kBackward : Phase::kForward);
   };
   auto find = [&] {
     auto match = [&](const Message& m) { return I.matches(m, mb, call_id, kind_mask); };

@@ -8,7 +8,6 @@
 
 #include "smp_core/detail/plan_rules.h"
 #include "smp_core/errors.h"
-#include "smp_core/scheduler.h"
 
 namespace smp {
 namespace {
@@ -51,19 +50,23 @@ int64_t cost_of(const Action& a, const PlanOptions& o, int64_t hops) {
 // all: it is the loss and the start of the microbatch's backward, which the stage
 // before it waits for (Note [Last hop's gradients]). `forwards_first`: interleaved and
 // 1f1b with forwards first on this rank (Note [Plan search]).
+// The rule's class of a compute action (smaller first), shared with the order without a
+// list (order_priority).
+int order_class(PlanKind kind, Op op, bool forwards_first = false) {
+  switch (kind) {
+    case PlanKind::kSimple: return op == Op::kForward ? 0 : 1;
+    case PlanKind::kInterleaved:
+    case PlanKind::k1F1B: return (op == Op::kForward) != forwards_first ? 1 : 0;
+    case PlanKind::kZeroBubble:  // B (an unsplit hop) goes with I
+      return is_backward_input(op) ? 0 : op == Op::kForward ? 1 : 2;
+  }
+  return 0;
+}
+
 std::tuple<int, int64_t, int64_t> rule_key(const PlanOptions& o, int64_t hops, const Action& a,
                                            bool forwards_first = false) {
   if (o.fused_last && a.op == Op::kForward && a.hop == hops - 1) return {-1, a.mb, -a.hop};
-  int cls = 0;
-  switch (o.kind) {
-    case PlanKind::kSimple: cls = a.op == Op::kForward ? 0 : 1; break;
-    case PlanKind::kInterleaved:
-    case PlanKind::k1F1B: cls = (a.op == Op::kForward) != forwards_first ? 1 : 0; break;
-    case PlanKind::kZeroBubble:  // B (an unsplit hop) goes with I
-      cls = is_backward_input(a.op) ? 0 : a.op == Op::kForward ? 1 : 2;
-      break;
-  }
-  return {cls, a.mb, -a.hop};
+  return {order_class(o.kind, a.op, forwards_first), a.mb, -a.hop};
 }
 
 void check_options(const PlanOptions& o) {
@@ -122,6 +125,57 @@ const char* plan_kind_name(PlanKind kind) {
   return "?";
 }
 
+// Note [Order without a list]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A Plan is compiled from the path a training step's calls took, so the first training
+// step, whose calls are not known until they are made, has no list; neither has a step
+// that left its plan (Note [Leaving the plan] in detail/plan_execution.cpp), an
+// evaluation step, or any step under config 'pipeline_order' "dynamic". Such a step is
+// ordered by the rule lists are compiled by (Note [Plan rules]), applied to the work as
+// it becomes ready rather than to a model of it: the same class of phase first
+// (order_class), then the earlier microbatch. There is no second schedule to keep in
+// step with the plans: order_priority() is order_class() with the microbatch, and the
+// driver's window is the one executed_plan_options() gives the driver's threads. The
+// list such a step runs is recorded (Dispatcher::executed_actions), so its timeline and
+// its failure table show what ran, as a planned step's do. The results are the same
+// either way (Note [Gradient order], Note [Microbatch random streams]).
+int64_t order_priority(PlanKind kind, int64_t mb, Phase phase) {
+  // Larger than any microbatch count: the class decides first, the microbatch second.
+  constexpr int64_t kClassStride = int64_t{1} << 40;
+  const Op op = phase == Phase::kForward ? Op::kForward : Op::kBackward;
+  return order_class(kind, op) * kClassStride + mb;
+}
+
+// Note [1F1B's window]
+// ~~~~~~~~~~~~~~~~~~~~
+// 1F1B keeps one microbatch in flight per stage a microbatch visits, so a stage always
+// has the next forward to run while the one before waits for its backward. Under smp a
+// microbatch's forward comes back to the driver: the step body runs there and computes
+// the loss from the last stage's output. So its path is one hop longer than the pp
+// ranks (0, 1, ..., S-1, 0), and the window is S + 1, not S: with S, the driver sat
+// idle every microbatch while the last stage ran the input half of the backward it had
+// just asked for (its next forward was not admitted until the previous microbatch's
+// backward was back). Measured on bench/pipeline.py (pp=2, 8 microbatches, 2 cores):
+// 1f1b dynamic 65.8-70.8 -> 62.8-65.0 ms, zero_bubble 58.4-61.4 -> 57.3-59.2 ms. The
+// cost is one more microbatch's activations held on the driver. A plan (Plan::window())
+// takes the same from its recorded path: one microbatch per hop, at most S + 1 (the
+// driver's task threads; a path that visits ranks more than once, 0, 1, 0, 1, 0, keeps
+// S + 1).
+int64_t one_f_one_b_window(int64_t stages, int64_t microbatches) {
+  return std::min(stages + (stages > 1 ? 1 : 0), microbatches);
+}
+
+int64_t driver_window(PlanKind kind, int64_t microbatches, int64_t stages,
+                      int64_t active_microbatches) {
+  switch (kind) {
+    case PlanKind::kSimple: return microbatches;
+    case PlanKind::kInterleaved: return std::min(active_microbatches, microbatches);
+    case PlanKind::k1F1B:
+    case PlanKind::kZeroBubble: return one_f_one_b_window(stages, microbatches);
+  }
+  return microbatches;
+}
+
 std::string Action::str(bool with_hop) const {
   if (op == Op::kReduce) return "R";
   std::string s = str_cat(op_code(op), mb);
@@ -148,14 +202,8 @@ PlanOptions executed_plan_options(PlanKind kind, int64_t microbatches, int64_t s
   o.fused_last = kind != PlanKind::kSimple;
   o.last_hop_accumulates = last_hop_accumulates;
   if (kind == PlanKind::kZeroBubble) o.unsplit_rank = 0;  // the driver's hops run whole
-  // The task threads Dispatcher::drive starts: one per microbatch of the schedule's
-  // window.
-  switch (kind) {
-    case PlanKind::kSimple: o.threads = microbatches; break;
-    case PlanKind::kInterleaved: o.threads = std::min(active_microbatches, microbatches); break;
-    case PlanKind::k1F1B:
-    case PlanKind::kZeroBubble: o.threads = one_f_one_b_window(stages, microbatches); break;
-  }
+  // The task threads Dispatcher::drive starts: one per microbatch of the driver's window.
+  o.threads = driver_window(kind, microbatches, stages, active_microbatches);
   return o;
 }
 

@@ -22,8 +22,8 @@
 // window larger than the driver's threads; and in the whole lists a send without its
 // receive, a communication before what it moves, or a receive whose wait deadlocks
 // (Note [Plan validation]).
-// format() prints the lists; timeline() the slots, as Schedule::grid does; both can mark
-// the action that failed.
+// format() prints the lists; timeline() the slots as a grid; both can mark the action
+// that failed.
 //
 // This is the vocabulary of torch.distributed.pipelining's _Action (F, B, I, W, sends,
 // receives) over smp's calls: a "stage" is a pp rank, and a path may visit it more than
@@ -48,6 +48,37 @@ enum class PlanKind : int32_t {
 // "simple", "interleaved", "1f1b", "zero_bubble"; throws ConfigError naming the allowed.
 PlanKind plan_kind_from_name(const std::string& name);
 const char* plan_kind_name(PlanKind kind);
+
+enum class Phase : int32_t { kForward = 0, kBackward = 1 };
+
+// Note [Order without a list] (plan.cpp): a step that has no installed list (the first
+// training step, whose calls are not known yet; one that left its plan; evaluation;
+// config 'pipeline_order' "dynamic") is ordered by the same rule Plan::compile lists
+// by (Note [Plan rules]), applied as the work becomes ready: the compute token goes to
+// the waiting task with the smallest priority, a serving rank takes the pending request
+// with the smallest first (Note [Receive order] in p2p.h), and the driver keeps at most
+// driver_window() microbatches in flight. What such a step ran is recorded as its
+// executed list (Dispatcher::executed_actions), in the plan's vocabulary.
+// Lower runs first: the kind's class of the phase, then the earlier microbatch.
+// zero_bubble without a list runs as 1f1b (its W needs a plan to be placed).
+int64_t order_priority(PlanKind kind, int64_t mb, Phase phase);
+// Whether backward waits for every microbatch's forward ("simple").
+inline bool forwards_before_backwards(PlanKind kind) { return kind == PlanKind::kSimple; }
+// Microbatches the driver keeps in flight, one task thread each: every one under
+// "simple", active_microbatches under "interleaved", 1F1B's window under "1f1b" and
+// "zero_bubble" (Note [1F1B's window]). A Plan's window() is at most this.
+int64_t driver_window(PlanKind kind, int64_t microbatches, int64_t stages,
+                      int64_t active_microbatches);
+// 1F1B's window: pp ranks + 1 where there is a pipeline (Note [1F1B's window]).
+int64_t one_f_one_b_window(int64_t stages, int64_t microbatches);
+
+// A cell of a failed step to mark in its table: (pp rank, microbatch, phase).
+struct FailedCell {
+  int64_t stage = -1;
+  int64_t mb = -1;
+  Phase phase = Phase::kForward;
+  bool weight = false;  // zero_bubble: the backward's W failed
+};
 
 enum class Op : int32_t {
   kForward = 0,

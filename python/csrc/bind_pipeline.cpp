@@ -18,7 +18,6 @@
 #include "smp_core/plan.h"
 #include "smp_core/reducer.h"
 #include "smp_core/remote_call.h"
-#include "smp_core/scheduler.h"
 #include "smp_core/serve.h"
 #include "smp_core/tied_grads.h"
 
@@ -85,42 +84,6 @@ void bind_pipeline(py::module_& m) {
       .value("ARRIVAL", RecvOrder::kArrival)
       .value("BACKWARD_FIRST", RecvOrder::kBackwardFirst)
       .value("FORWARD_FIRST", RecvOrder::kForwardFirst);
-  // The schedule as data (smp_core/scheduler.h): the runtime's only source of order.
-  py::class_<Schedule>(m, "Schedule")
-      .def(py::init([](const std::string& kind, int64_t microbatches, int64_t stages,
-                       int64_t active) {
-             ScheduleKind k = ScheduleKind::kInterleaved;
-             if (kind == "simple") k = ScheduleKind::kSimple;
-             else if (kind == "1f1b") k = ScheduleKind::kOneFOneB;
-             else if (kind == "zero_bubble") k = ScheduleKind::kZeroBubble;
-             else if (kind != "interleaved")
-               throw ConfigError("smp: config 'pipeline'='" + kind +
-                                 "' is not one of {interleaved, simple, 1f1b, zero_bubble}");
-             return Schedule(ScheduleOptions{k, microbatches, stages, active});
-           }),
-           py::arg("kind"), py::arg("microbatches"), py::arg("stages"),
-           py::arg("active_microbatches"))
-      .def("priority", [](const Schedule& s, int64_t mb, bool backward) {
-             return s.priority(mb, backward ? Phase::kBackward : Phase::kForward);
-           }, py::arg("mb"), py::arg("backward"))
-      .def("window", &Schedule::window)
-      .def("forwards_before_backwards", &Schedule::forwards_before_backwards)
-      .def("plan", [](const Schedule& s, const std::vector<int64_t>& path) {
-             std::vector<std::vector<std::tuple<int64_t, bool, int64_t>>> out;
-             for (const auto& row : s.plan(path)) {
-               out.emplace_back();
-               for (const auto& w : row)
-                 out.back().emplace_back(w.mb, w.phase == Phase::kBackward, w.hop);
-             }
-             return out;
-           }, py::arg("path") = std::vector<int64_t>{})
-      .def("grid", [](const Schedule& s, const std::vector<int64_t>& path,
-                      std::optional<std::tuple<int64_t, int64_t, bool>> failed) {
-             if (!failed) return s.grid(path);
-             FailedCell cell{std::get<0>(*failed), std::get<1>(*failed),
-                             std::get<2>(*failed) ? Phase::kBackward : Phase::kForward};
-             return s.grid(path, &cell);
-           }, py::arg("path") = std::vector<int64_t>{}, py::arg("failed") = py::none());
   // The plans as data (smp_core/plan.h): compiled, validated, printed and simulated
   // without processes; bench/pipeline.py reports zero_bubble's bubble against 1f1b's.
   py::class_<Plan>(m, "Plan")
@@ -287,9 +250,16 @@ void bind_pipeline(py::module_& m) {
       .def_readonly("weight_actions", &Dispatcher::Stats::weight_actions)
       .def_readonly("backward_s", &Dispatcher::Stats::backward_s);
   py::class_<Dispatcher, std::shared_ptr<Dispatcher>>(m, "Dispatcher")
-      .def(py::init([](std::shared_ptr<P2PEngine> p2p, const Schedule& schedule,
+      .def(py::init([](std::shared_ptr<P2PEngine> p2p, const std::string& kind,
+                       int64_t microbatches, int64_t stages, int64_t active_microbatches,
                        std::shared_ptr<Server> server, py::object spawn, py::object encode_error,
                        py::object raise_error) {
+             // The step's order (smp_core/plan.h; Note [Order without a list]).
+             PlanOptions order;
+             order.kind = plan_kind_from_name(kind);
+             order.microbatches = microbatches;
+             order.stages = stages;
+             order.active_microbatches = active_microbatches;
              // `spawn`: a TaskPool (C++ threads, Note [Task threads]) or a Python
              // callable `spawn(fn)` that runs fn on a thread of its own.
              Dispatcher::Spawn run_on;
@@ -317,7 +287,7 @@ void bind_pipeline(py::module_& m) {
              // Note [Known forward requests] (smp_core/serve.h): `server` serves every
              // request and keeps its graph in the dispatcher.
              auto d = std::make_shared<Dispatcher>(
-                 std::move(p2p), schedule,
+                 std::move(p2p), order,
                  [server](const Message& msg) { return server->serve(msg); },
                  std::move(run_on), std::move(enc));
              d->set_spawn_crosses(!native);
@@ -341,7 +311,8 @@ void bind_pipeline(py::module_& m) {
              }
              return d;
            }),
-           py::arg("p2p"), py::arg("schedule"), py::arg("server"), py::arg("spawn"),
+           py::arg("p2p"), py::arg("kind"), py::arg("microbatches"), py::arg("stages"),
+           py::arg("active_microbatches"), py::arg("server"), py::arg("spawn"),
            py::arg("encode_error") = py::none(), py::arg("raise_error") = py::none())
       .def("begin_step", &Dispatcher::begin_step, py::arg("microbatches"),
            py::arg("deterministic") = false, py::arg("rng_cuda") = false,
@@ -370,6 +341,14 @@ void bind_pipeline(py::module_& m) {
       .def("forward_finished", &Dispatcher::forward_finished, py::arg("mb"), release())
       .def("wait_all_forwards", &Dispatcher::wait_all_forwards, py::arg("mb"), release())
       .def("stats", &Dispatcher::stats)
+      // The driver's window (smp_core/plan.h driver_window) and whether backward waits
+      // for every forward ("simple").
+      .def("window", [](const Dispatcher& d) {
+             const PlanOptions& o = d.options();
+             return driver_window(o.kind, o.microbatches, o.stages, o.active_microbatches);
+           })
+      .def("forwards_before_backwards",
+           [](const Dispatcher& d) { return forwards_before_backwards(d.options().kind); })
       // Note [Served backward]: `encode(exc, mb, weight) -> bytes` is the kError meta of a
       // served backward of microbatch `mb` that raised `exc` (a C++ error arrives as a
       // RuntimeError); `weight`: in its W (zero_bubble).

@@ -143,7 +143,7 @@ def log_plan_departure(step, why, rank):
     level = logging.WARNING if _departures[0] == 1 else logging.INFO
     get_logger("pipeline").log(
         level, "smp: step %d left its pipeline plan on rank %d: %s. The rest of the step ran "
-        "in the schedule's dynamic order (same numbers); the next step is planned from this "
+        "without a list, by the plans' rule as work became ready (same numbers); the next step is planned from this "
         "step's calls where every microbatch made the same ones", step, rank, why)
 
 

@@ -13,9 +13,11 @@ Tasks: the driver (pp rank 0) runs the step body once per microbatch, each on a 
 task thread (Note [Task threads] in smp_core/detail/task_pool.h); every other rank
 serves all microbatches' requests with one leading thread.
 Which thread runs what and when is decided in C++ (`smp._C.Dispatcher`,
-smp_core/dispatch.h, Note [Serving]) from the schedule (smp_core/scheduler.h): the
-receive order, the compute token's priorities, the driver's window and the hand-off of
-the lead when a request makes a nested call. A task computes only while it holds the
+smp_core/dispatch.h, Note [Serving]): the plan a training step executes (Note
+[Executed plan]) or, in a step without one, the same rule applied as work becomes ready
+(Note [Order without a list] in smp_core/plan.cpp): the receive order, the compute
+token's turns, the driver's window and the hand-off of the lead when a request makes a
+nested call. A task computes only while it holds the
 rank's compute token, and gives it up while it waits for a message, so another
 microbatch's work proceeds: that is the pipeline. Python runs what it is handed: a
 module's forward (`_Modules.run`, for the C++ server: Note [Known forward requests]
@@ -212,17 +214,17 @@ class Engine:
         # each with a Python thread state of its own, entering Python only to serve a
         # request or run a step body.
         self.threads = _C.TaskPool("smp-task")
-        # The one source of order: token priorities, receive order, the driver's window
-        # and the "simple" barrier all come from the C++ schedule (smp_core/scheduler.h),
-        # applied by the C++ dispatcher, which hands this engine the work to run.
-        self.schedule = _C.Schedule(self.cfg.pipeline, self.cfg.microbatches, pp_size(),
-                                    self.cfg.active_microbatches)
         # Note [Known forward requests] (smp_core/serve.h): every request this rank
         # serves runs through one C++ function, which enters Python only to run the
         # module.
         self.known = _C.Server(self.modules.run, self.errors.request_failed, pp_rank())
-        self.dispatch = _C.Dispatcher(self.p2p, self.schedule, self.known, self.threads,
-                                      _encode_error, self.errors.raise_answer)
+        # The one source of order: the C++ dispatcher executes the step's plan, or orders
+        # a step without one by the rule plans are compiled by (token turns, receive
+        # order, the driver's window, the "simple" barrier), and hands this engine the
+        # work to run.
+        self.dispatch = _C.Dispatcher(self.p2p, self.cfg.pipeline, self.cfg.microbatches,
+                                      pp_size(), self.cfg.active_microbatches, self.known,
+                                      self.threads, _encode_error, self.errors.raise_answer)
         # Note [Served backward] (smp_core/dispatch.h): a served forward that recorded a
         # graph leaves its inputs and outputs to the dispatcher, which serves the call's
         # backward in C++; a failure there comes back here to be answered.
@@ -232,12 +234,12 @@ class Engine:
         self.calls = _C.Caller(self.dispatch, pp_rank() * _CALL_ID_STRIDE, flatten_args,
                                unflatten_outputs)
         self.dispatch.record_spans(timeline.enabled)
-        self._forwards_first = self.schedule.forwards_before_backwards()
+        self._forwards_first = self.dispatch.forwards_before_backwards()
         self._planned = self.cfg.pipeline_order == "planned"
         self._new_plans = 0       # the driver's, at its last step (_log_new_plan)
         self._plan_logged = None
         self._fallbacks = 0       # Stats::plan_fallbacks at the last step (_log_departure)
-        self._planned_seen = 0    # Stats::planned_steps after the last step (log_failure)
+        self._planned_seen = 0    # Stats::planned_steps after the last step (_log_departure)
 
     def _set_payload_transport(self, pp_ranks):
         """Note [Payload transports] in smp_core/p2p.h: with config 'p2p_transport'
@@ -267,13 +269,12 @@ class Engine:
         """Every rank logs the step x rank table with the failing cell marked."""
         cell = getattr(exc, "_smp_cell", None)
         try:
-            # The plan the step executed, its failing action marked (Note [Executed plan]):
-            # the lists that ran, not a model of them. A step in the dynamic order shows
-            # the schedule's model of that order.
-            planned = self.dispatch.stats().planned_steps > self._planned_seen
-            table = self.dispatch.plan_text(tuple(cell) if cell else None) if planned else ""
-            table = ("executed " + table) if table else \
-                "dynamic order (modelled) " + self.schedule.grid([], tuple(cell[:3]) if cell else None)
+            # The plan the step executed, its failing action marked (Note [Executed plan]),
+            # or, in a step without one, what this rank ran (Note [Order without a list]):
+            # the lists that ran, not a model of them.
+            table = self.dispatch.plan_text(tuple(cell) if cell else None)
+            if table.startswith("plan "):
+                table = "executed " + table
         except Exception as e:  # the table must never hide the error itself
             table = f"(no schedule table: {e})\n"
         phase = "forward" if not cell or not cell[2] else (
@@ -323,7 +324,8 @@ class Engine:
         cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
         # With config 'pipeline_order' "planned", a step that trains executes the plan
         # of the calls the last one made (Note [Executed plan] in
-        # smp_core/detail/plan_execution.cpp); evaluation runs in the dynamic order.
+        # smp_core/detail/plan_execution.cpp); evaluation runs without a list (Note
+        # [Order without a list] in smp_core/plan.cpp).
         self.dispatch.begin_step(len(mb_inputs) if pp_rank() == 0 else self.cfg.microbatches,
                                  deterministic=True, rng_cuda=cuda_rng,
                                  planned=self._planned and torch.is_grad_enabled())
@@ -345,14 +347,16 @@ class Engine:
 
     def _log_departure(self, stats):
         """Note [Leaving the plan] (smp_core/detail/plan_execution.cpp): a step that left
-        its plan says why, on the rank that saw it. A planned step's lists go in the
-        timeline: this rank's planned actions and those it ran, the strings the plan's
-        log and failure table print."""
+        its plan says why, on the rank that saw it. Each step's lists go in the timeline:
+        this rank's planned actions (none in a step without a plan: Note [Order without
+        a list] in smp_core/plan.cpp) and those it ran, the strings the plan's log and
+        failure table print."""
         planned = stats.planned_steps > self._planned_seen
         self._planned_seen = stats.planned_steps
-        if planned and timeline.enabled and timeline.recording:
+        if timeline.enabled and timeline.recording:
             now = time.perf_counter()
-            timeline.event("plan", now, now, planned=self.dispatch.planned_actions(),
+            timeline.event("plan", now, now,
+                           planned=self.dispatch.planned_actions() if planned else [],
                            executed=self.dispatch.executed_actions())
         if stats.plan_fallbacks == self._fallbacks:
             return
@@ -386,7 +390,7 @@ class Engine:
 
     def _drive(self, fn, mb_inputs):
         """The driver: the dispatcher runs `run` for each microbatch, in order, at most
-        the schedule's window at once, with the token held; each returns its share of
+        the driver's window at once, with the token held; each returns its share of
         the step's end (its outputs, or its error), which the dispatcher sends on (Note
         [Step end] in smp_core/dispatch.h)."""
         results, errors = [None] * len(mb_inputs), []

@@ -102,22 +102,28 @@ class HeldToken {
 }  // namespace detail
 
 struct Dispatcher::Impl {
-  Impl(std::shared_ptr<P2PEngine> p, Schedule s, Handler h, Spawn sp, ErrorEncoder e)
-      : p2p(std::move(p)), schedule(std::move(s)), handler(std::move(h)), spawn(std::move(sp)),
-        encode_error(std::move(e)),
-        order(schedule.forwards_before_backwards() ? RecvOrder::kForwardFirst
+  Impl(std::shared_ptr<P2PEngine> p, PlanOptions o, Handler h, Spawn sp, ErrorEncoder e)
+      : p2p(std::move(p)), opts(checked(std::move(o))), handler(std::move(h)),
+        spawn(std::move(sp)), encode_error(std::move(e)),
+        order(forwards_before_backwards(opts.kind) ? RecvOrder::kForwardFirst
                                                    : RecvOrder::kBackwardFirst),
         timeout(static_cast<int64_t>(p2p->timeout_s() * 1000)) {}
 
   // Set at construction (raise_error: once, before the first step).
   std::shared_ptr<P2PEngine> p2p;
-  Schedule schedule;
+  // The step's kind, microbatches, stages and window (Dispatcher's `options`).
+  PlanOptions opts;
   Handler handler;
   Spawn spawn;
   ErrorEncoder encode_error;
   ErrorRaiser raise_error;
   RecvOrder order;
   std::chrono::milliseconds timeout;
+
+  static PlanOptions checked(PlanOptions o);
+  // Note [Order without a list] (plan.cpp): the token priority of (mb, phase) in a step
+  // with no installed list.
+  int64_t priority(int64_t mb, Phase phase) const { return order_priority(opts.kind, mb, phase); }
 
   std::mutex mu;  // see the file comment
   std::condition_variable cv;
@@ -189,6 +195,10 @@ struct Dispatcher::Impl {
     std::vector<std::vector<std::pair<int, bool>>> calls;  // driver: this step's, per mb
     std::vector<int64_t> recorded_path;  // driver: the last training step's, if uniform
     bool nested_seen = false;            // driver: served a request this step
+    bool installed = false;              // this step installed `plan`
+    // Note [Order without a list]: the actions this rank began while the step had no
+    // list (all of them, or those after it left its plan), in token order.
+    std::vector<Action> ran;
     // Note [Leaving the plan]: why a step last left its plan on this rank's word (empty:
     // none did, or another rank saw it), and how many steps left it so far.
     std::string departure;
@@ -196,7 +206,7 @@ struct Dispatcher::Impl {
     void begin_step(int64_t microbatches, bool planned);
   } exec;
 
-  // Note [Forward order] (detail/plan_execution.cpp): driver, dynamic order: forward
+  // Note [Forward order] (detail/plan_execution.cpp): driver, order without a list: forward
   // actions started and forwards over, per microbatch.
   struct ForwardOrder {
     bool on = false;
@@ -220,6 +230,12 @@ struct Dispatcher::Impl {
   void forward_over(int64_t mb);
   int64_t admit(int64_t mb, Phase phase);
   int64_t admit(int64_t mb, int32_t action_phase);
+  // The task holding the token begins its admitted action: recorded as executed where
+  // the step has no list (Note [Order without a list]; a planned grant is recorded by
+  // the token itself).
+  void took(int64_t mb, int32_t action_phase);
+  // Dispatcher::plan_text() of a step without a list (mu held).
+  std::string ran_text(const FailedCell* failed) const;
   // Note [Leaving the plan]: `why` names what departed from it.
   void leave_plan(const std::string& why) noexcept;
   static constexpr int32_t kOwnWeight = -1;

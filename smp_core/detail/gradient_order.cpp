@@ -103,15 +103,15 @@ void Dispatcher::Impl::gate() {
   }
   // Taken back at the position it had: the action goes on (Note [Executed plan]).
   const int64_t held = p2p->token_priority();
-  const auto priority = p2p->token_ordered() && held >= 0 ? held
-                                                           : schedule.priority(mb, Phase::kBackward);
+  const int64_t again = p2p->token_ordered() && held >= 0 ? held
+                                                           : priority(mb, Phase::kBackward);
   resign();  // a serving leader: the earlier microbatch's requests must still be served
   while (below < mb) {
     Message m = p2p->recv(below, kAny, bit(kMicrobatchDone) | bit(kAbort) | bit(kStepEnd),
                           str_cat("the end of microbatch ", below, "'s backward work, before "
                                   "microbatch ", mb, "'s gradients accumulate (Note [Gradient "
                                   "order])"),
-                          /*yield_token=*/true, priority, RecvOrder::kArrival,
+                          /*yield_token=*/true, again, RecvOrder::kArrival,
                           /*for_holder=*/true);
     if (m.kind != kMicrobatchDone)
       throw CommError(str_cat("smp: the step ended while microbatch ", mb,

@@ -37,7 +37,7 @@ using detail::kWeightPhase;
 //    when every microbatch called the same pp ranks in the same order, with a backward
 //    call for each forward call in reverse (no call made from another rank's module),
 //    the path is 0, d1, 0, d2, ..., 0 and Plan::compile builds every rank's list for
-//    the schedule's kind and window, under the runtime's own constraints (PlanOptions
+//    the step's kind and window, under the runtime's own constraints (PlanOptions
 //    gradient_order and fused_last: a microbatch's backward work on a rank starts
 //    after the previous one's is over there, since its gradients would wait for that
 //    anyway; Note [Last hop's gradients] for the loss hop). The driver sends the path
@@ -60,16 +60,6 @@ using detail::kWeightPhase;
 //    with its lists (Note [Plan validation] in smp_core/plan_validate.cpp).
 //  - A step that runs no backward (begin_step's `planned` false) runs without a plan
 //    and keeps the recorded path for the next training step.
-
-PlanKind plan_kind_of(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::kSimple: return PlanKind::kSimple;
-    case ScheduleKind::kOneFOneB: return PlanKind::k1F1B;
-    case ScheduleKind::kZeroBubble: return PlanKind::kZeroBubble;
-    case ScheduleKind::kInterleaved: break;
-  }
-  return PlanKind::kInterleaved;
-}
 
 // The driver's calls of a microbatch on `path`: (destination, backward) in order.
 std::vector<std::pair<int, bool>> calls_on(const std::vector<int64_t>& path) {
@@ -100,6 +90,8 @@ void Dispatcher::Impl::PlanExecution::begin_step(int64_t microbatches, bool plan
   admitted.clear();
   calls.assign(static_cast<size_t>(microbatches), {});
   nested_seen = false;
+  installed = false;
+  ran.clear();
 }
 
 void Dispatcher::Impl::ForwardOrder::begin_step(int64_t microbatches, bool deterministic) {
@@ -112,7 +104,7 @@ void Dispatcher::Impl::ForwardOrder::begin_step(int64_t microbatches, bool deter
 // run is an error naming why, with its lists, never a quiet fallback).
 void Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int64_t>& path,
                                     bool last_hop_accumulates) {
-  const auto& so = schedule.options();
+  const PlanOptions& so = opts;
   std::optional<Plan> p;
   {  // the last step's, again (Note [Plan search] may take milliseconds to compile)
     std::lock_guard<std::mutex> lock(mu);
@@ -122,7 +114,7 @@ void Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int6
       p = exec.plan;
   }
   if (!p) {
-    const PlanOptions o = executed_plan_options(plan_kind_of(so.kind), microbatches, so.stages,
+    const PlanOptions o = executed_plan_options(so.kind, microbatches, so.stages,
                                                 so.active_microbatches, path,
                                                 last_hop_accumulates);
     std::string path_text;
@@ -146,7 +138,7 @@ void Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int6
   }
   const int64_t me = p2p->rank();
   const int64_t last = static_cast<int64_t>(path.size()) - 1;
-  const bool absorb = me == path[last] && so.kind != ScheduleKind::kSimple;
+  const bool absorb = me == path[last] && so.kind != PlanKind::kSimple;
   std::vector<Action> mine;
   std::map<std::tuple<int64_t, int32_t, int64_t>, int64_t> pos;
   std::map<std::pair<int64_t, int32_t>, int64_t> count;
@@ -173,6 +165,7 @@ void Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int6
   exec.admitted.clear();
   exec.expected_calls = calls_on(path);
   exec.on = true;
+  exec.installed = true;
   stats.planned_steps++;
 }
 
@@ -212,7 +205,7 @@ void Dispatcher::Impl::announce_plan(int64_t n) {
 
 void Dispatcher::Impl::plan_arrived(const Message& msg) {
   const std::vector<int64_t> words = detail::decode_ints(msg.meta);
-  if (schedule.options().kind == ScheduleKind::kZeroBubble) {
+  if (opts.kind == PlanKind::kZeroBubble) {
     std::lock_guard<std::mutex> lock(mu);
     zb.weights_owed = true;  // the driver waits for this step's kWeightsDone
   }
@@ -297,7 +290,7 @@ int64_t Dispatcher::Impl::admit(int64_t mb, int32_t action_phase) {
   std::string why;
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (!exec.on) return schedule.priority(mb, phase);
+    if (!exec.on) return priority(mb, phase);
     const auto key = std::make_pair(mb, action_phase);
     const int64_t n = exec.admitted[key]++;
     auto it = exec.position.find({mb, key.second, n});
@@ -309,7 +302,16 @@ int64_t Dispatcher::Impl::admit(int64_t mb, int32_t action_phase) {
                   " action ", n + 1, " of microbatch ", mb, ", which its list does not hold");
   }
   leave_plan(why);
-  return schedule.priority(mb, phase);
+  return priority(mb, phase);
+}
+
+void Dispatcher::Impl::took(int64_t mb, int32_t action_phase) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (exec.on) return;
+  const Op op = action_phase == static_cast<int32_t>(Phase::kForward) ? Op::kForward
+                : action_phase == kWeightPhase                         ? Op::kBackwardWeight
+                                                                       : Op::kBackward;
+  exec.ran.push_back(Action{op, mb, -1, -1});
 }
 
 // Note [Leaving the plan]
@@ -317,8 +319,8 @@ int64_t Dispatcher::Impl::admit(int64_t mb, int32_t action_phase) {
 // A step whose calls depart from its plan (control flow that differs between steps: a
 // microbatch that calls other pp ranks, or fewer, or calls back into the driver) cannot
 // walk the plan's lists any further: the actions it would wait for never come. The rank
-// that sees it says so to every pp rank (kPlanOff) and each goes on by the schedule's
-// priorities for the rest of the step; the numbers are the same either way (Note
+// that sees it says so to every pp rank (kPlanOff) and each goes on in the order without a list
+// (Note [Order without a list] in smp_core/plan.cpp) for the rest of the step; the numbers are the same either way (Note
 // [Microbatch random streams], Note [Gradient order]). It is never silent: the rank
 // keeps `why` (Dispatcher::plan_departure(); Stats::plan_fallbacks counts it) and the
 // Python runtime logs it with the step, and the next training step is planned from
@@ -454,13 +456,19 @@ std::vector<std::string> Dispatcher::planned_actions() const {
   return out;
 }
 
+// The plan's grants (the token records them, Note [Planned token order] in p2p.h), then
+// what ran after the step left it or, without a plan, all it ran (Note [Order without a
+// list]).
 std::vector<std::string> Dispatcher::executed_actions() const {
   std::vector<int64_t> granted = impl_->p2p->planned_grants();
   std::lock_guard<std::mutex> lock(impl_->mu);
+  const auto& exec = impl_->exec;
   std::vector<std::string> out;
-  for (int64_t i : granted)
-    if (i >= 0 && i < static_cast<int64_t>(impl_->exec.admissions.size()))
-      out.push_back(impl_->exec.admissions[i].str(/*with_hop=*/true));
+  if (exec.installed)
+    for (int64_t i : granted)
+      if (i >= 0 && i < static_cast<int64_t>(exec.admissions.size()))
+        out.push_back(exec.admissions[i].str(/*with_hop=*/true));
+  for (const Action& a : exec.ran) out.push_back(a.str());
   return out;
 }
 
@@ -471,18 +479,55 @@ std::string Dispatcher::plan_departure() const {
 
 std::string Dispatcher::plan_text(const FailedCell* failed) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (!impl_->exec.plan) return "";
-  const Plan& p = *impl_->exec.plan;
+  const auto& exec = impl_->exec;
+  if (!exec.installed) return impl_->ran_text(failed);
+  const Plan& p = *exec.plan;
+  // What ran after the step left its plan, if it did.
+  const std::string after = exec.ran.empty() ? "" : impl_->ran_text(nullptr);
   if (!failed || failed->stage < 0 || failed->stage >= static_cast<int64_t>(p.compute().size()))
-    return p.format();
+    return p.format() + after;
   // The failed cell's first action of its phase on its rank.
   const Op op = failed->phase == Phase::kForward ? Op::kForward
                 : failed->weight                 ? Op::kBackwardWeight
                                                  : Op::kBackward;
   for (const Action& a : p.compute().at(failed->stage))
     if (a.mb == failed->mb && (a.op == op || (op == Op::kBackward && a.op == Op::kBackwardInput)))
-      return p.format(&a, failed->stage);
-  return p.format();
+      return p.format(&a, failed->stage) + after;
+  return p.format() + after;
+}
+
+}  // namespace smp
+
+namespace smp {
+
+// Note [Order without a list]: what this rank ran in a step without a plan (or after it
+// left its plan), as one line in the plan's vocabulary, the failed cell marked.
+std::string Dispatcher::Impl::ran_text(const FailedCell* failed) const {
+  const int64_t me = p2p->rank();
+  std::string line = str_cat("pp ", me, " ran |");
+  bool marked = false;
+  for (const Action& a : exec.ran) {
+    std::string cell = a.str();
+    const bool weight = a.op == Op::kBackwardWeight;
+    const Phase phase = a.op == Op::kForward ? Phase::kForward : Phase::kBackward;
+    if (failed && !marked && failed->stage == me && failed->mb == a.mb &&
+        failed->phase == phase && failed->weight == weight) {
+      cell = "[" + cell + "]";
+      marked = true;
+    }
+    line += " " + cell;
+  }
+  std::string out = str_cat("order without a list (", plan_kind_name(opts.kind),
+                            exec.installed ? ", after the step left its plan" : "",
+                            "), this rank's actions as they ran:\n", line, "\n");
+  if (failed)
+    out += str_cat("failed: pp rank ", failed->stage, ", microbatch ", failed->mb, ", ",
+                   failed->phase == Phase::kForward ? "forward"
+                   : failed->weight                 ? "backward (W)"
+                                                    : "backward",
+                   marked ? "" : failed->stage == me ? " (not begun here)" : " (on another rank)",
+                   "\n");
+  return out;
 }
 
 }  // namespace smp

@@ -235,6 +235,7 @@ void Dispatcher::Impl::run_planned_weight(int64_t mb) {
   task.mb = mb;
   TaskScope scope(&task);
   const detail::HeldToken held(*p2p, admit(mb, detail::kWeightPhase));
+  took(mb, detail::kWeightPhase);
   // None pending: its I failed, and the step is failing.
   if (auto w = take_weight(mb)) run_one_weight(mb, std::move(w->second));
   bool last = false;
@@ -261,7 +262,7 @@ void Dispatcher::Impl::flush_weights() {
     TaskContext task;
     task.mb = first;
     TaskScope scope(&task);
-    const detail::HeldToken held(*p2p, schedule.priority(first, Phase::kBackward));
+    const detail::HeldToken held(*p2p, priority(first, Phase::kBackward));
     run_weights_held();
   }
   report_weights();

@@ -258,10 +258,17 @@ DYNAMIC = EXECUTE.replace(', pipeline_order="planned"', ', pipeline_order="dynam
 
 
 def test_dynamic_order_executes_no_plan(ranks):
-    # "dynamic": the order adapts to the step's timing; no plan is run.
+    # "dynamic": no plan is run; each step is ordered by the plans' rule as its work
+    # becomes ready (Note [Order without a list] in smp_core/plan.cpp), and what each
+    # rank ran is recorded in the plan's vocabulary, without hops: every microbatch's
+    # forward and backward actions, the same number of each per microbatch.
     cfg = {"partitions": 2, "microbatches": 4}
     for rep in _reports(ranks(DYNAMIC, 2, args=(json.dumps(cfg),), timeout=120)):
-        assert rep["planned_steps"] == 0 and rep["executed"] == [], rep
+        assert rep["planned_steps"] == 0 and rep["planned"] == [], rep
+        ran = rep["executed"]
+        assert ran and all(re.fullmatch(r"[FB][0-3]", a) for a in ran), rep
+        per_mb = {mb: sorted(a[0] for a in ran if a[1:] == str(mb)) for mb in range(4)}
+        assert all(v == per_mb[0] and "F" in v and "B" in v for v in per_mb.values()), rep
 
 
 def test_failure_in_a_planned_step_marks_the_failing_action(ranks):

@@ -5,7 +5,8 @@
   the stop marker, and the job runs on to its last step.
 - SMP_TIMELINE_STEPS=a:b records exactly the steps a .. b-1 (the driver's microbatch
   spans count (b - a) x microbatches) and closes the file after them; each of those
-  steps, planned, leaves a "plan" event with the rank's planned and executed actions.
+  steps, planned, leaves a "plan" event with the rank's planned and executed actions;
+  the first step, which has no plan, records what it ran: the actions of step 2's plan.
 - A bad SMP_TIMELINE_MAX_MB or SMP_TIMELINE_STEPS is a ConfigError naming the variable
   and the value.
 - `python3 -m smp.timeline` merges the ranks' files with nothing on stderr (no runpy
@@ -86,6 +87,23 @@ def test_step_window_records_those_steps_only(ranks, tmp_path):
         for p in plans:
             assert p["planned"] and p["executed"] == p["planned"], p
             assert all(a[0] in "FBIW" for a in p["planned"]), p
+
+
+def test_first_step_records_what_it_ran_without_a_plan(ranks, tmp_path):
+    # Note [Order without a list] (smp_core/plan.cpp): step 1 has no plan (its calls are
+    # not known until made); its "plan" event has no planned actions and records what
+    # each rank ran, in the plan's vocabulary: the same actions, hops aside, as the
+    # list step 2 then executes.
+    res = ranks(SCRIPT, 2, args=("3",), timeout=180,
+                env={"SMP_TIMELINE": str(tmp_path / "tl"), "SMP_TIMELINE_STEPS": "0:2"})
+    assert all("DONE" in r.stdout for r in res), res
+    for r in range(2):
+        events = json.loads((tmp_path / f"tl.rank{r}.json").read_text())
+        first, second = [e["args"] for e in events if e["name"] == "plan"]
+        assert first["planned"] == [] and first["executed"], first
+        assert second["planned"] and second["executed"] == second["planned"], second
+        without_hops = sorted(a.split(".")[0] for a in second["planned"])
+        assert sorted(first["executed"]) == without_hops, (first, second)
 
 
 def test_bad_bounds_are_config_errors(tmp_path):

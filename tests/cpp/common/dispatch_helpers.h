@@ -17,7 +17,7 @@
 #include "gloo_world.h"
 #include "p2p_helpers.h"
 #include "smp_core/p2p.h"
-#include "smp_core/scheduler.h"
+#include "smp_core/plan.h"
 
 namespace smp::testing {
 
@@ -26,8 +26,14 @@ inline Message make(int64_t mb, int64_t call, int32_t kind, std::vector<at::Tens
   return make(mb, call, kind, std::string(), std::move(tensors));
 }
 
-inline Schedule schedule(ScheduleKind kind, int64_t mbs, int64_t stages, int64_t active = 3) {
-  return Schedule(ScheduleOptions{kind, mbs, stages, active});
+// A Dispatcher's options: the step's kind, microbatches, stages and window.
+inline PlanOptions schedule(PlanKind kind, int64_t mbs, int64_t stages, int64_t active = 3) {
+  PlanOptions o;
+  o.kind = kind;
+  o.microbatches = mbs;
+  o.stages = stages;
+  o.active_microbatches = active;
+  return o;
 }
 
 // Runs every spawned body on a detached thread of its own; the dispatcher joins them.

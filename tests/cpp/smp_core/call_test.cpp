@@ -27,8 +27,11 @@ using testing::run_gloo_world;
 
 void spawn_thread(std::function<void()> body) { std::thread(std::move(body)).detach(); }
 
-Schedule schedule(int64_t microbatches) {
-  return Schedule(ScheduleOptions{ScheduleKind::kInterleaved, microbatches, 2, 3});
+PlanOptions schedule(int64_t microbatches) {
+  PlanOptions o;
+  o.microbatches = microbatches;
+  o.stages = 2;
+  return o;
 }
 
 const std::string kFlags("\1\0", 2);

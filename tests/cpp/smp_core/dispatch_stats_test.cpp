@@ -24,7 +24,7 @@ TEST(DispatchStats, CrossingsAndRequestsOfAStepInClosedForm) {
   constexpr int64_t kMbs = 4;
   for (const bool spawn_crosses : {true, false}) {
     run_p2p_world(2, "stats", 20, [&](int r, const std::shared_ptr<P2PEngine>& p2p) {
-      Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
+      Dispatcher d(p2p, schedule(PlanKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
       d.set_spawn_crosses(spawn_crosses);
       d.record_spans(true);  // spans are of served backwards only: none here
       d.begin_step(kMbs);

@@ -29,7 +29,7 @@ TEST(Dispatch, ServesEveryRequestOnOneLeaderAndDrivesInOrderWithinTheWindow) {
     std::mutex mu;
     std::set<std::thread::id> handler_threads;
     std::vector<std::pair<int64_t, int32_t>> served;
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2),
+    Dispatcher d(p2p, schedule(PlanKind::kInterleaved, kMbs, 2),
                  [&](const Message& req) {
                    std::lock_guard<std::mutex> lock(mu);
                    handler_threads.insert(std::this_thread::get_id());
@@ -103,7 +103,7 @@ TEST(Dispatch, NestedCallHandsTheLeadToAnotherThread) {
       cv.notify_all();
       return answer_of(req);
     };
-    d = std::make_unique<Dispatcher>(p2p, schedule(ScheduleKind::kInterleaved, 2, 2), handler,
+    d = std::make_unique<Dispatcher>(p2p, schedule(PlanKind::kInterleaved, 2, 2), handler,
                                      spawn_thread);
     if (r == 0) {
       d->begin_step(1);
@@ -127,7 +127,7 @@ TEST(Dispatch, SimpleScheduleRunsEveryForwardBeforeAnyBackward) {
   run_p2p_world(1, "dispatch", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::mutex mu;
     std::vector<std::string> events;
-    Dispatcher d(p2p, schedule(ScheduleKind::kSimple, 4, 1), answer_of, spawn_thread);
+    Dispatcher d(p2p, schedule(PlanKind::kSimple, 4, 1), answer_of, spawn_thread);
     d.begin_step(4);
     d.drive([&](int64_t mb) {
       {
@@ -150,7 +150,7 @@ TEST(Dispatch, SimpleScheduleRunsEveryForwardBeforeAnyBackward) {
 TEST(Dispatch, WaitingTaskRunsItsOwnMicrobatchRequests) {
   run_p2p_world(1, "dispatch", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::thread::id handler_thread, task_thread;
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 1, 1),
+    Dispatcher d(p2p, schedule(PlanKind::kInterleaved, 1, 1),
                  [&](const Message& req) {
                    handler_thread = std::this_thread::get_id();
                    return answer_of(req);
@@ -171,7 +171,7 @@ TEST(Dispatch, WaitingTaskRunsItsOwnMicrobatchRequests) {
 // engines wait 60 s) and gets its caller an ERROR answer naming the failure.
 TEST(Dispatch, FailingHandlerEndsServingAndAnswersTheCallerWithAnError) {
   run_p2p_world(2, "dispatch", 60, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 1, 2),
+    Dispatcher d(p2p, schedule(PlanKind::kInterleaved, 1, 2),
                  [](const Message&) -> Message { throw std::runtime_error("handler broke"); },
                  spawn_thread);
     d.begin_step(1);
@@ -200,7 +200,7 @@ TEST(Dispatch, FailingHandlerEndsServingAndAnswersTheCallerWithAnError) {
 // call), is fine: only waits for messages are bounded, each by the timeout (1 s here).
 TEST(Dispatch, LongStepWithOneLeaderIsNotATimeout) {
   run_p2p_world(2, "dispatch", 1, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 6, 2, 1),
+    Dispatcher d(p2p, schedule(PlanKind::kInterleaved, 6, 2, 1),
                  [](const Message& req) {
                    std::this_thread::sleep_for(std::chrono::milliseconds(400));
                    return answer_of(req);

@@ -38,7 +38,7 @@ TEST(GradientOrder, GradientsAccumulateInMicrobatchOrderAcrossRequestsThatArrive
       std::vector<int64_t> accumulated;  // rank 1: microbatches, as their backward ended
       std::shared_ptr<Dispatcher> d;
       d = std::make_shared<Dispatcher>(
-          p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2),
+          p2p, schedule(PlanKind::kInterleaved, kMbs, 2),
           [&](const Message& req) -> Message {
             if (req.kind == kRequest) {
               at::Tensor x = req.tensors.at(0).clone().set_requires_grad(true);
@@ -69,7 +69,7 @@ TEST(GradientOrder, GradientsAccumulateInMicrobatchOrderAcrossRequestsThatArrive
           if (mb == 0) {  // later than the others, without the token
             p2p->release_token();
             std::this_thread::sleep_for(std::chrono::milliseconds(300));
-            p2p->acquire_token(d->schedule().priority(mb, Phase::kBackward));
+            p2p->acquire_token(order_priority(d->options().kind, mb, Phase::kBackward));
           }
           p2p->send(1, make(mb, mb, kBackwardRequest, {at::full({2}, 1.f)}));
           Message in = d->wait(mb, mb, kBackwardResponse, true, "the backward answer");

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -20,14 +21,15 @@ namespace {
 
 using namespace testing;
 
-// Step 1 runs in the dynamic order and records its calls (path 0, 1, 0); step 2
+// Step 1 runs without a list (Note [Order without a list]) and records its calls (path 0, 1, 0); step 2
 // executes the plan they describe on both ranks, every action in the plan's order; in
 // step 3 microbatch 1 makes one call more than planned, and the driver leaves the plan
 // (the step still ends well); step 3's calls were not uniform, so step 4 has no plan.
 TEST(PlanExecution, ExecutesTheRecordedPlanAndLeavesItWhenAStepDiffers) {
   constexpr int64_t kMbs = 4;
   run_p2p_world(2, "plan_exec", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2, 2), answer_of, spawn_thread);
+    Dispatcher d(p2p, schedule(PlanKind::kInterleaved, kMbs, 2, 2), answer_of, spawn_thread);
+    std::vector<std::string> first_ran;
     for (int64_t step = 1; step <= 4; ++step) {
       d.begin_step(kMbs);
       p2p->begin_step(step);
@@ -54,9 +56,13 @@ TEST(PlanExecution, ExecutesTheRecordedPlanAndLeavesItWhenAStepDiffers) {
       const auto s = d.stats();
       const auto planned = d.planned_actions();
       if (step == 1) {
+        // Note [Order without a list]: no plan, and what ran is recorded in the plan's
+        // vocabulary, without hops.
         EXPECT_EQ(s.planned_steps, 0);
         EXPECT_TRUE(planned.empty());
-        EXPECT_EQ(d.plan_text(), "");
+        first_ran = d.executed_actions();
+        EXPECT_EQ(d.plan_text().rfind("order without a list (interleaved), this rank's actions "
+                                      "as they ran:\npp ", 0), 0u) << d.plan_text();
       }
       if (step == 2) {
         EXPECT_EQ(s.planned_steps, 1) << "rank " << r;
@@ -66,13 +72,23 @@ TEST(PlanExecution, ExecutesTheRecordedPlanAndLeavesItWhenAStepDiffers) {
         // backward follows its forward in one admission).
         EXPECT_EQ(planned.size(), static_cast<size_t>((r == 0 ? 3 : 2) * kMbs)) << "rank " << r;
         EXPECT_EQ(d.executed_actions(), planned) << "rank " << r;
-        EXPECT_NE(d.plan_text(), "");
+        EXPECT_EQ(d.plan_text().rfind("plan interleaved", 0), 0u) << d.plan_text();
+        // Step 1 ran the same actions as the plan holds, in its own order.
+        std::vector<std::string> without_hops;
+        for (const auto& a : planned) without_hops.push_back(a.substr(0, a.find('.')));
+        std::sort(without_hops.begin(), without_hops.end());
+        std::sort(first_ran.begin(), first_ran.end());
+        EXPECT_EQ(first_ran, without_hops) << "rank " << r;
       }
       if (step == 3) {
         EXPECT_EQ(s.planned_steps, 2) << "rank " << r;
         EXPECT_EQ(s.new_plans, 1);  // the same plan again
         if (r == 0) EXPECT_EQ(s.plan_fallbacks, 1);
         EXPECT_NE(d.executed_actions(), planned) << "rank " << r;
+        // The plan, then what ran after the step left it.
+        if (r == 0)
+          EXPECT_NE(d.plan_text().find("after the step left its plan"), std::string::npos)
+              << d.plan_text();
       }
       if (step == 4 && r == 0) EXPECT_EQ(s.planned_steps, 2);
     }
@@ -86,7 +102,7 @@ TEST(PlanExecution, ExecutesTheRecordedPlanAndLeavesItWhenAStepDiffers) {
 TEST(PlanExecution, DeterministicStepStartsForwardActionsInMicrobatchOrder) {
   for (const bool deterministic : {true, false}) {
     run_p2p_world(3, "fwd_order", 20, [&](int r, const std::shared_ptr<P2PEngine>& p2p) {
-      Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 2, 3),
+      Dispatcher d(p2p, schedule(PlanKind::kInterleaved, 2, 3),
                    [r](const Message& req) {
                      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
                      return answer_of(req);

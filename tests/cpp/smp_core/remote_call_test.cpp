@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/torch.h>
 
+#include "../common/dispatch_helpers.h"
 #include "../common/gloo_world.h"
 #include "smp_core/dispatch.h"
 #include "smp_core/errors.h"
@@ -68,7 +69,7 @@ void run_call(bool fail_backward, std::vector<at::Tensor>* grads, std::string* e
     auto p2p = std::make_shared<P2PEngine>(store, "remote_call", r, 2, 20);
     Owner owner;
     owner.fail_backward = fail_backward;
-    auto d = std::make_shared<Dispatcher>(p2p, Schedule(ScheduleOptions{ScheduleKind::kInterleaved, 2, 2, 3}),
+    auto d = std::make_shared<Dispatcher>(p2p, testing::schedule(PlanKind::kInterleaved, 2, 2, 3),
                                           std::ref(owner), spawn_thread);
     d->begin_step(2);
     if (r == 0) {

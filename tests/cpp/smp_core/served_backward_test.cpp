@@ -40,7 +40,7 @@ TEST(ServedBackward, KeptCallsAreServedInCppAndTheArmRunsOnce) {
     std::atomic<bool> grad_before_arm{false};
     std::shared_ptr<Dispatcher> d;
     d = std::make_shared<Dispatcher>(
-        p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2),
+        p2p, schedule(PlanKind::kInterleaved, kMbs, 2),
         [&](const Message& req) {
           ++handled;
           return keep_doubled(*d, req, w);
@@ -90,7 +90,7 @@ TEST(ServedBackward, FailingServedBackwardAnswersWithTheEncodedError) {
   run_p2p_world(2, "served_fail", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
     std::shared_ptr<Dispatcher> d;
     d = std::make_shared<Dispatcher>(
-        p2p, schedule(ScheduleKind::kInterleaved, 2, 2),
+        p2p, schedule(PlanKind::kInterleaved, 2, 2),
         [&](const Message& req) {
           at::Tensor x = req.tensors.at(0).clone();  // no graph: its backward must fail
           d->keep_for_backward(req.src, req.mb, req.call_id, {x}, {x * 2});
@@ -140,7 +140,7 @@ TEST(ServedBackward, ZeroBubbleSplitsKeptCallsIntoIAndW) {
     at::Tensor w = at::ones({4}).set_requires_grad(true);
     std::shared_ptr<Dispatcher> d;
     d = std::make_shared<Dispatcher>(
-        p2p, schedule(ScheduleKind::kZeroBubble, kMbs, 2),
+        p2p, schedule(PlanKind::kZeroBubble, kMbs, 2),
         [&](const Message& req) { return keep_doubled(*d, req, w); },
         spawn_thread);
     d->record_spans(true);

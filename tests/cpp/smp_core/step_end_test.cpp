@@ -29,7 +29,7 @@ using namespace testing;
 TEST(StepEnd, DriveStepSendsOneStepEndOrTheFirstError) {
   constexpr int64_t kMbs = 4;
   run_p2p_world(2, "step_end", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
+    Dispatcher d(p2p, schedule(PlanKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
     for (const bool fail : {false, true}) {
       d.begin_step(kMbs);
       p2p->begin_step(fail ? 2 : 1);
@@ -75,7 +75,7 @@ TEST(StepEnd, DriveStepSendsOneStepEndOrTheFirstError) {
 TEST(StepEnd, StepFinishRunsOnceWhereTheStepEndsWell) {
   constexpr int64_t kMbs = 3;
   run_p2p_world(2, "finish", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
+    Dispatcher d(p2p, schedule(PlanKind::kInterleaved, kMbs, 2), answer_of, spawn_thread);
     // Steps: no backward; a backward in microbatch 1 only; an aborted step.
     int64_t epoch = 0;
     for (const int kind : {0, 1, 2}) {
@@ -136,7 +136,7 @@ TEST(StepEnd, AbortReachesEveryServingThreadAndTheDriversTasks) {
     std::atomic<int> nested_saw_abort{0}, task_saw_abort{0};
     std::shared_ptr<Dispatcher> d;
     d = std::make_shared<Dispatcher>(
-        p2p, schedule(ScheduleKind::kInterleaved, 2, 2),
+        p2p, schedule(PlanKind::kInterleaved, 2, 2),
         [&](const Message& req) -> Message {  // pp rank 1: a call that waits for a nested one
           {
             std::lock_guard<std::mutex> lock(mu);
@@ -191,7 +191,7 @@ TEST(StepEnd, AbortReachesEveryServingThreadAndTheDriversTasks) {
 // the step's finish off and says whether the arm ran.
 TEST(StepEnd, ArmRunsOnceAndDisarmTakesArmAndFinishOff) {
   run_p2p_world(1, "arm", 20, [](int r, const std::shared_ptr<P2PEngine>& p2p) {
-    Dispatcher d(p2p, schedule(ScheduleKind::kInterleaved, 1, 1), answer_of, spawn_thread);
+    Dispatcher d(p2p, schedule(PlanKind::kInterleaved, 1, 1), answer_of, spawn_thread);
     int arms = 0;
     d.arm_at_first_backward([&] { ++arms; });
     d.arm_now();

@@ -38,4 +38,10 @@ std::string trim(const std::string& text) {
   return text.substr(b, e - b);
 }
 
+std::optional<bool> parse_flag(const std::string& text) {
+  if (text == "1") return true;
+  if (text == "0") return false;
+  return std::nullopt;
+}
+
 }  // namespace smp::common

@@ -28,4 +28,9 @@ std::optional<int> parse_int(const std::string& text);
 // `text` without leading and trailing whitespace (isspace).
 std::string trim(const std::string& text);
 
+// An on/off variable's text: "1" on, "0" off; nullopt on anything else. Every smp
+// switch in the environment (SMP_REDUCER_SHM, SMP_P2P_LOCAL_SOCKET, SMP_OPTIM_GENERIC)
+// is read through this, so each accepts the same words (smp_core/config.h env_flag).
+std::optional<bool> parse_flag(const std::string& text);
+
 }  // namespace smp::common

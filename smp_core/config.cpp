@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <set>
 
 #include <nlohmann/json.hpp>
+
+#include "smp_common/env.h"
 
 namespace smp {
 namespace {
@@ -310,6 +313,14 @@ std::string describe_config_disagreement(const std::vector<std::string>& per_ran
     return msg;
   }
   return "smp: config differs across ranks";
+}
+
+bool env_flag(const char* name, bool fallback, const char* meaning) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  if (auto on = common::parse_flag(v)) return *on;
+  throw ConfigError(str_cat("smp: environment variable ", name, "='", v,
+                            "' is not one of {0, 1} (1: ", meaning, ")"));
 }
 
 }  // namespace smp

@@ -92,4 +92,9 @@ std::vector<std::string> config_keys();
 // config was invalid). Used by every rank on the same input, so all raise alike.
 std::string describe_config_disagreement(const std::vector<std::string>& per_rank);
 
+// An on/off switch in the environment (smp_common parse_flag): unset or empty gives
+// `fallback`, "1" on, "0" off; anything else throws ConfigError naming the variable, the
+// value, {0, 1} and `meaning` (what 1 does).
+bool env_flag(const char* name, bool fallback, const char* meaning);
+
 }  // namespace smp

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "smp_core/config.h"
 #include "smp_core/errors.h"
 #include "smp_core/runtime.h"
 
@@ -95,8 +96,9 @@ std::shared_ptr<ShmArena> ShmArena::create(const ProcessGroupPtr& pg, size_t slo
                                            double timeout_s, const std::string& what) {
   const int world = pg->getSize(), rank = pg->getRank();
   if (world < 2) return nullptr;
-  const char* env = std::getenv("SMP_REDUCER_SHM");
-  const bool enabled = !(env && std::string(env) == "0");
+  const bool enabled = env_flag("SMP_REDUCER_SHM", true,
+                                "the ranks of one host sum buckets in shared memory; 0: "
+                                "through the process group");
   // Every rank decides from the same allgathered data: all or none use the segment.
   auto ids = allgather_bytes(pg, (enabled ? "1|" : "0|") + host_identity(), timeout_s,
                              what + " (host check)");

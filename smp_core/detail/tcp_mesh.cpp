@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "smp_common/auth.h"
+#include "smp_core/config.h"
 #include "smp_core/errors.h"
 
 namespace smp::detail {
@@ -193,12 +194,9 @@ std::string local_address_toward(const std::string& host) {
 }
 
 bool local_sockets_enabled() {
-  const char* v = std::getenv("SMP_P2P_LOCAL_SOCKET");
-  if (v == nullptr || std::strcmp(v, "1") == 0) return true;
-  if (std::strcmp(v, "0") == 0) return false;
-  throw ConfigError(str_cat("smp: environment variable SMP_P2P_LOCAL_SOCKET='", v,
-                            "' is not one of {0, 1} (1: ranks on one host connect by a "
-                            "local socket; 0: every pipeline connection uses TCP)"));
+  return env_flag("SMP_P2P_LOCAL_SOCKET", true,
+                  "ranks on one host connect by a local socket; 0: every pipeline "
+                  "connection uses TCP");
 }
 
 Listener::Listener(const std::string& host, bool local) : host_(host) {

@@ -39,6 +39,7 @@
 
 #include <ATen/Functions.h>
 
+#include "smp_core/config.h"
 #include "smp_core/errors.h"
 #include "smp_core/optim/detail/multi_tensor.h"
 #include "smp_core/optim/detail/step_constants.h"
@@ -98,8 +99,7 @@ Tensors norms(const Tensors& ts, double ord) {
 }  // namespace
 
 bool use_generic(const std::vector<at::Tensor>& tensors) {
-  const char* env = std::getenv(kGenericEnv);
-  if (env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0) return true;
+  if (env_flag(kGenericEnv, false, "CPU tensors take the generic (ATen) path too")) return true;
   for (const auto& t : tensors) {
     if (!t.device().is_cpu()) return true;
   }

@@ -187,6 +187,33 @@ TEST(Config, ValidateWorld) {
   }
 }
 
+// Every on/off switch of the environment reads the same words (smp_common parse_flag):
+// unset or empty is the default, "1" and "0", and anything else names the variable,
+// the value and what 1 does.
+TEST(Config, EnvironmentSwitchesReadOneWay) {
+  constexpr const char* kName = "SMP_TEST_SWITCH";
+  unsetenv(kName);
+  EXPECT_TRUE(env_flag(kName, true, "x"));
+  EXPECT_FALSE(env_flag(kName, false, "x"));
+  setenv(kName, "", 1);
+  EXPECT_TRUE(env_flag(kName, true, "x"));
+  setenv(kName, "0", 1);
+  EXPECT_FALSE(env_flag(kName, true, "x"));
+  setenv(kName, "1", 1);
+  EXPECT_TRUE(env_flag(kName, false, "x"));
+  for (const char* bad : {"yes", "true", " 1", "2"}) {
+    setenv(kName, bad, 1);
+    try {
+      env_flag(kName, true, "it is on");
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()), std::string("smp: environment variable SMP_TEST_SWITCH='") +
+                                           bad + "' is not one of {0, 1} (1: it is on)");
+    }
+  }
+  unsetenv(kName);
+}
+
 TEST(Config, DisagreementNamesKeyAndRanks) {
   std::string a = Config::from_json(R"({"microbatches": 2})").to_json();
   std::string b = Config::from_json(R"({"microbatches": 4})").to_json();

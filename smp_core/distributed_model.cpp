@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "smp_core/errors.h"
+#include "smp_core/replica_step.h"
 #include "smp_core/runtime.h"
 
 namespace smp {
@@ -14,7 +15,7 @@ struct DistributedModel::Impl {
   ProcessGroupPtr pg;
   std::vector<at::Tensor> params;
   std::unique_ptr<Reducer> reducer;
-  bool synced = false;  // parameters and buffers broadcast from dp rank 0
+  std::unique_ptr<ReplicaStep> step;  // the step policy, shared with Python's Replica
 
   std::vector<at::Tensor> buffers() const {
     std::vector<at::Tensor> out;
@@ -48,29 +49,30 @@ DistributedModel::DistributedModel(std::shared_ptr<torch::nn::Module> module, Fo
   ro.shared_memory = options.shared_memory;
   ro.timeout_s = impl_->opts.timeout_s;
   impl_->reducer = std::make_unique<Reducer>(impl_->params, impl_->pg, ro);
+  ReplicaStepOptions so;
+  so.broadcast_buffers = options.broadcast_buffers;
+  so.timeout_s = impl_->opts.timeout_s;
+  impl_->step = std::make_unique<ReplicaStep>(impl_->pg, so);
 }
 
 DistributedModel::~DistributedModel() = default;
 
 at::Tensor DistributedModel::forward(const at::Tensor& input) {
   auto& I = *impl_;
-  if (!I.synced) {
-    std::vector<at::Tensor> all;
-    for (auto& p : I.module->parameters()) all.push_back(p);
-    for (auto& b : I.buffers()) all.push_back(b);
-    broadcast_coalesced(I.pg, all, 0, kDefaultBucketBytesCap, I.opts.timeout_s);
-    I.synced = true;
-  } else if (I.opts.broadcast_buffers) {
-    auto bufs = I.buffers();
-    if (!bufs.empty()) broadcast_coalesced(I.pg, bufs, 0, kDefaultBucketBytesCap, I.opts.timeout_s);
-  }
+  std::vector<at::Tensor> params;
+  for (auto& p : I.module->parameters()) params.push_back(p);
+  I.step->sync_before_forward(params, I.buffers());
   return I.forward(input);
 }
 
 ReducerStats DistributedModel::backward(const at::Tensor& loss, bool sync) {
-  impl_->reducer->prepare_for_backward(sync, 1.0, {loss});
+  auto& I = *impl_;
+  I.step->begin_step();
+  I.step->set_sync_step(sync);  // the caller decides each step (no backward_passes_per_step)
+  I.step->begin_microbatch(/*last=*/true);
+  I.step->prepare_for_backward(*I.reducer, {loss});
   loss.backward();
-  return sync ? impl_->reducer->finalize() : ReducerStats{};
+  return I.step->end_step(I.reducer.get());
 }
 
 void DistributedModel::register_comm_hook(CommHookPtr hook) {

@@ -1,7 +1,9 @@
 // smp::DistributedModel: data parallelism for libtorch programs. Wraps a module
 // replicated on every rank of a dp process group; gradients are averaged by the
 // Reducer (buckets, overlap with backward, comm hooks), as smp.DistributedModel with
-// partitions=1 does in Python. See docs/reducer.md.
+// partitions=1 does in Python, with the same step policy (smp::ReplicaStep,
+// replica_step.h: what each forward broadcasts, arming and finalizing the reducer).
+// See docs/reducer.md.
 //
 //   smp::init();
 //   auto net = torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::ReLU(), ...);

@@ -343,7 +343,9 @@ def begin_step(model):
 
 
 def _has_buffers(model):
-    return model.broadcast_buffers and model.replica.has_buffers()
+    """Whether this iteration broadcasts the buffers (the step policy's decision,
+    smp_core/replica_step.h)."""
+    return model.replica.broadcasts_buffers()
 
 
 @api_call(STEP_CALL)  # the collectives of an active rank's step: the same name

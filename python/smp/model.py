@@ -150,10 +150,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self.partitioned = False
         self._post_partition_hooks = {}
         self._post_step_hooks = {}
-        self._steps = 0
         self._in_step_flag = False     # inside @smp.step (read and set as _in_step)
-        self._sync_backward = False
-        self._synced_this_step = False
         self.pipeline = None        # PipelinePart (partitions > 1, after partitioning)
         self._plan = None
         self._owner = None          # module name -> pp rank (after partitioning)
@@ -162,7 +159,8 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self._pending_state = None  # load_state_dict before partitioning
         self._module_table = None   # (name, module) of the plain module, after partitioning
         self.replica = Replica(self.local_parameters, self.local_buffers, self.bucket_cap_mb,
-                               gradient_as_bucket_view, overlapping_allreduce)
+                               gradient_as_bucket_view, overlapping_allreduce,
+                               broadcast_buffers, backward_passes_per_step)
         _join.Joinable.__init__(self)  # Join: self._join_config (smp/join.py)
         self._grad_guard = None
         if not self._deferred:  # (a deferred model's parameters change tensors first)
@@ -228,6 +226,11 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         return self.replica.comm_hook
 
     @property
+    def _steps(self):
+        """Steps begun (the step policy's count, smp_core/replica_step.h)."""
+        return self.replica.step.steps()
+
+    @property
     def _engine(self):
         return self.pipeline.engine if self.pipeline is not None else None
 
@@ -265,23 +268,22 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
                 # The dp peers are told through the step's own collectives (Note
                 # [Failed rank] in smp_core/detail/reducer_shadow.cpp): they raise too,
                 # naming this rank.
-                sync = (self._steps + 1) % self.backward_passes_per_step == 0
-                self.replica.fail_step(sync, input_error, armed=False)
+                self.replica.fail_step(self.replica.step.next_step_syncs(), input_error,
+                                       armed=False)
             if pp_size() == 1:
                 raise input_error
             if pp_rank() == 0:  # the driver tells every pp rank, then raises
                 self.pipeline.engine.abort_step(input_error)
             # Other pp ranks do not use their inputs: they serve the driver's step.
-        elif self.broadcast_buffers and self.replica.reduces:
-            if joining is None:
-                self.replica.broadcast_buffers()
-            elif _join._has_buffers(self):
-                joining.sync_buffers()
-        self._steps += 1
-        sync_step = self._steps % self.backward_passes_per_step == 0
+        elif joining is None:
+            self.replica.sync_before_forward()  # the buffers, when broadcast_buffers
+        elif self.replica.broadcasts_buffers():
+            joining.sync_buffers()  # Join's root instead of dp rank 0 (smp/join.py)
+        step = self.replica.step
+        sync_step = step.begin_step()  # every backward_passes_per_step-th synchronizes
         if joining is not None:
             sync_step = joining.announce(sync_step)
-        self._synced_this_step = False
+            step.set_sync_step(sync_step)
         if pp_size() > 1:
             self._in_step = True
             try:
@@ -296,18 +298,17 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             try:
                 for mb, (args, kwargs) in enumerate(mb_inputs):
                     process_state.state.microbatch = mb
-                    self._sync_backward = sync_step and mb == len(mb_inputs) - 1
+                    step.begin_microbatch(last=mb == len(mb_inputs) - 1)
                     if mb == 0:
                         self.replica.record_first_use(self.module)
                     results.append(fn(*args, **kwargs))
             except BaseException as e:
                 if joining is None:  # (inside Join, its own protocol ends the step)
-                    self.replica.fail_step(sync_step, e, armed=self._synced_this_step)
+                    self.replica.fail_step(sync_step, e, armed=step.armed())
                 raise
-            if self._synced_this_step:
-                self.replica.reducer.finalize()
+            self.replica.end_step()  # finalizes the reducer if the step armed it
             if joining is not None:
-                joining.end_step(self._synced_this_step)
+                joining.end_step(step.armed())
         finally:
             self._in_step = False
             self.replica.stop_recording()
@@ -339,9 +340,9 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         # Note [Half-precision model] (smp/mixed_precision.py): before the dp broadcast,
         # which then moves half the bytes.
         mixed_precision.cast_model(self)
-        if self.replica.reduces:
-            # Deferred to the first step, not wrap time (SMP semantics).
-            self.replica.broadcast_state()
+        # Deferred to the first step, not wrap time (SMP semantics): parameters and
+        # buffers from dp rank 0 (when the replica reduces).
+        self.replica.sync_before_forward()
         if self._deferred:
             self._deferred = False
             self._guard_gradients()
@@ -396,8 +397,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             engine.wait_all_forwards()
             engine.backward_begins()
         elif self.replica.reduces:
-            self.replica.ensure_reducer().prepare_for_backward(self._sync_backward, 1.0, tensors)
-            self._synced_this_step |= self._sync_backward
+            self.replica.prepare_for_backward(tensors)
         with self._grad_guard or contextlib.nullcontext():
             torch.autograd.backward(tensors, grad_tensors)
 

@@ -4,14 +4,15 @@ reduction (docs/data_parallel.md).
 `DistributedModel` is composed of two parts, each with the interface below and no
 attribute of the other read across files:
 - `Replica` (here): the dp reducer (`smp._C.Reducer`), its comm hook, the first-use
-  order its buckets follow, the broadcasts that keep the replicas equal, telling the
-  other replicas when this one fails a step, and the join state of the replica.
+  order its buckets follow, and the join state of the replica. The step policy (the
+  broadcasts that keep the replicas equal, which steps synchronize, arming and
+  finalizing the reducer, what a failed step tells the other replicas) is
+  `smp._C.ReplicaStep` (smp_core/replica_step.h), the one smp::DistributedModel uses
+  too; `step` here is that object, given this rank's tensors and reducer.
 - `PipelinePart` (smp/model_pipeline.py): the trace, the partition, the pipeline
   engine and the tied weights, for partitions > 1.
 smp/join.py drives the replica's collectives through this interface.
 """
-import torch
-
 import smp._C as _C
 from smp import auto_resume
 from smp.collectives import allgather
@@ -35,10 +36,13 @@ class Replica:
         local_buffers: callable -> this rank's buffers.
         bucket_cap_mb, gradient_as_bucket_view, overlapping: the reducer's settings
             (DistributedModel's arguments).
+        broadcast_buffers, backward_passes_per_step: the step policy's settings
+            (DistributedModel's arguments).
     """
 
     def __init__(self, local_parameters, local_buffers, bucket_cap_mb,
-                 gradient_as_bucket_view, overlapping):
+                 gradient_as_bucket_view, overlapping, broadcast_buffers=True,
+                 backward_passes_per_step=1):
         self._local_parameters = local_parameters
         self._local_buffers = local_buffers
         self._bucket_cap_mb = bucket_cap_mb
@@ -55,6 +59,12 @@ class Replica:
         # training, and, with partitions > 1, whether a pp peer saw every replica join.
         self.divide_by_initial_world_size = True
         self.pipeline_join_done = False
+        # The step policy (smp_core/replica_step.h), shared with smp::DistributedModel.
+        self.step = _C.ReplicaStep(get_dp_process_group(), reduces=self.reduces,
+                                   broadcast_buffers=broadcast_buffers,
+                                   backward_passes_per_step=backward_passes_per_step)
+        # Note [Failed peer]: a replica that fails a step with no reduction posts it.
+        self.step.set_failure_post(state.store, FAILED_PEER_PREFIX, rank(), dp_rank())
 
     @property
     def reduces(self):
@@ -66,20 +76,29 @@ class Replica:
         """The parameters the reducer reduces: this rank's that require grad."""
         return [p for p in self._local_parameters() if p.requires_grad]
 
-    def broadcast(self, tensors):
-        """dp rank 0's values of `tensors` on every replica."""
-        with torch.no_grad():
-            _C.broadcast_coalesced(get_dp_process_group(), list(tensors), 0)
+    def sync_before_forward(self):
+        """dp rank 0's parameters and buffers on every replica before the first forward,
+        its buffers before later ones (when broadcast_buffers): the step policy's
+        decision (smp_core/replica_step.h)."""
+        return self.step.sync_before_forward(list(self._local_parameters()),
+                                             list(self._local_buffers()))
 
-    def broadcast_state(self):
-        """The first step: every replica starts from dp rank 0's parameters and buffers."""
-        self.broadcast(list(self._local_parameters()) + list(self._local_buffers()))
-
-    def broadcast_buffers(self):
-        self.broadcast(list(self._local_buffers()))
+    def broadcasts_buffers(self):
+        """Whether the next forward's sync broadcasts the buffers (Join broadcasts them
+        from its own root, smp/join.py)."""
+        return self.step.forward_sync(self.has_buffers()) == _C.ForwardSync.buffers
 
     def has_buffers(self):
         return any(True for _ in self._local_buffers())
+
+    def prepare_for_backward(self, tensors):
+        """Before a backward of the current microbatch (pp=1): the reducer armed when the
+        microbatch is the last of a synchronized step."""
+        self.step.prepare_for_backward(self.ensure_reducer(), list(tensors))
+
+    def end_step(self):
+        """After the step's body (pp=1): the reducer finalized if the step armed it."""
+        self.step.end_step(self.reducer)
 
     # Note [Bucket order from the first iteration]: during the first microbatch of the
     # first step, forward pre-hooks record the order in which modules first run; the
@@ -141,26 +160,8 @@ class Replica:
         smp_core/detail/reducer_shadow.cpp): a flagged shadow step, or, once the reducer
         was `armed` (backward had begun), the rest of the step, flagged. A step that does
         not reduce has no collectives to tell them in: it posts the failure for the step
-        they will wait in (Note [Failed peer])."""
-        if not self.reduces:
-            return
-        if not sync_step:
-            self._post_failure(error)
-        elif self.reducer is None:
-            return  # (the first step's agreement fails every rank together)
-        elif armed:
-            self.reducer.abandon_step()
-        else:
-            self.reducer.fail_step()
-
-    def _post_failure(self, error):
-        """Note [Failed peer]: this replica will not reach the next reduction."""
-        step = self.reducer.steps_run() + 1 if self.reducer is not None else 1
-        what = str(error).splitlines()[0] if error is not None else "an error"
-        try:
-            _C.post_step_failure(
-                state.store, FAILED_PEER_PREFIX, rank(), step,
-                f"dp rank {dp_rank()} (rank {rank()}) failed a step that does not "
-                f"reduce and will not reach reduction {step} ({type(error).__name__}: {what})")
-        except Exception:  # the store is gone: the peers' own wait says more
-            pass
+        they will wait in (Note [Failed peer]). Decided by ReplicaStep.fail_step."""
+        lines = str(error).splitlines() if error is not None else []
+        what = lines[0] if lines else "an error"
+        return self.step.fail_step(self.reducer, bool(sync_step), bool(armed),
+                                   f"{type(error).__name__}: {what}")

@@ -2,7 +2,8 @@
 
 #include <atomic>
 #include <mutex>
-#include <unordered_set>
+#include <memory>
+#include <unordered_map>
 
 #include <c10/core/GradMode.h>
 
@@ -18,20 +19,26 @@ struct Server::Impl {
   const int pp_rank;
   std::mutex mu;  // guards everything below
   std::weak_ptr<Dispatcher> dispatcher;
-  std::unordered_set<std::string> known;  // Note [Known forward requests]
+  // Note [Known forward requests]: the metadata served this step, decoded once.
+  std::unordered_map<std::string, std::shared_ptr<const RequestMeta>> known;
   std::atomic<int64_t> served{0};
+  // The answer metadata of one tensor, by its requires_grad (the usual answer).
+  const std::string one_tensor[2] = {encode_answer(AnswerMeta{{false}, {}}),
+                                     encode_answer(AnswerMeta{{true}, {}})};
 
   Impl(ServeHooks h, int rank) : hooks(std::move(h)), pp_rank(rank) {}
 
-  bool knows(const std::string& meta) {
+  std::shared_ptr<const RequestMeta> knows(const std::string& meta) {
     std::lock_guard<std::mutex> lock(mu);
-    return known.count(meta) != 0;
+    auto it = known.find(meta);
+    return it == known.end() ? nullptr : it->second;
   }
 
-  void learn(const std::string& meta, bool modes_changed) {
+  void learn(const std::string& meta, std::shared_ptr<const RequestMeta> decoded,
+             bool modes_changed) {
     std::lock_guard<std::mutex> lock(mu);
     if (modes_changed) known.clear();
-    if (known.size() < kMaxKnown) known.insert(meta);
+    if (known.size() < kMaxKnown) known.emplace(meta, std::move(decoded));
   }
 
   Message run(const Message& request) {
@@ -39,9 +46,14 @@ struct Server::Impl {
       throw CommError(str_cat("smp: pp rank ", pp_rank, " got the backward of call ",
                               request.call_id, " (microbatch ", request.mb, ") from pp rank ", request.src,
                               ", whose forward recorded no autograd graph here"));
-    const std::string what = str_cat("the request of call ", request.call_id, " (microbatch ",
-                                     request.mb, ") from pp rank ", request.src);
-    const RequestMeta meta = decode_request(request.meta, request.tensors.size(), what);
+    std::shared_ptr<const RequestMeta> decoded = knows(request.meta);
+    const bool known_now = decoded && decoded->requires_grad.size() == request.tensors.size();
+    if (!known_now)
+      decoded = std::make_shared<const RequestMeta>(decode_request(
+          request.meta, request.tensors.size(),
+          str_cat("the request of call ", request.call_id, " (microbatch ", request.mb,
+                  ") from pp rank ", request.src)));
+    const RequestMeta& meta = *decoded;
     const bool grad = meta.grad;
     std::vector<at::Tensor> leaves = request.tensors;
     std::vector<at::Tensor> args;
@@ -57,7 +69,6 @@ struct Server::Impl {
       }
       args.push_back(std::move(given));
     }
-    const bool known_now = knows(request.meta);
     ModuleCall call{meta.module, request.mb, known_now ? nullptr : &meta.mode_flags,
                     std::move(args), meta.skeleton};
     ModuleResult result;
@@ -68,17 +79,21 @@ struct Server::Impl {
     if (known_now)
       served.fetch_add(1, std::memory_order_relaxed);
     else
-      learn(request.meta, result.modes_changed);
+      learn(request.meta, std::move(decoded), result.modes_changed);
 
-    AnswerMeta out;
-    out.skeleton = std::move(result.skeleton);
-    out.requires_grad.reserve(result.outputs.size());
-    for (const at::Tensor& t : result.outputs) out.requires_grad.push_back(t.requires_grad());
     Message answer;
     answer.mb = request.mb;
     answer.call_id = request.call_id;
     answer.kind = kResponse;
-    answer.meta = encode_answer(out);
+    if (result.skeleton.empty() && result.outputs.size() == 1) {
+      answer.meta = one_tensor[result.outputs[0].requires_grad() ? 1 : 0];
+    } else {
+      AnswerMeta out;
+      out.skeleton = std::move(result.skeleton);
+      out.requires_grad.reserve(result.outputs.size());
+      for (const at::Tensor& t : result.outputs) out.requires_grad.push_back(t.requires_grad());
+      answer.meta = encode_answer(out);
+    }
     answer.tensors.reserve(result.outputs.size());
     for (const at::Tensor& t : result.outputs) answer.tensors.push_back(t.detach());
     if (grad) {  // Note [Served backward]: the call's backward is served from these

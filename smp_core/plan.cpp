@@ -189,14 +189,20 @@ Plan::Plan(PlanOptions options, std::vector<int64_t> path,
            std::vector<std::vector<Action>> compute)
     : options_(std::move(options)), path_(std::move(path)), compute_(std::move(compute)) {}
 
-PlanOptions executed_plan_options(PlanKind kind, int64_t microbatches, int64_t stages,
-                                  int64_t active_microbatches, std::vector<int64_t> path,
-                                  bool last_hop_accumulates) {
+PlanOptions step_options(PlanKind kind, int64_t microbatches, int64_t stages,
+                         int64_t active_microbatches) {
   PlanOptions o;
   o.kind = kind;
   o.microbatches = microbatches;
   o.stages = stages;
   o.active_microbatches = active_microbatches;
+  return o;
+}
+
+PlanOptions executed_plan_options(PlanKind kind, int64_t microbatches, int64_t stages,
+                                  int64_t active_microbatches, std::vector<int64_t> path,
+                                  bool last_hop_accumulates) {
+  PlanOptions o = step_options(kind, microbatches, stages, active_microbatches);
   o.path = std::move(path);
   o.gradient_order = true;
   o.fused_last = kind != PlanKind::kSimple;

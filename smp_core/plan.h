@@ -151,6 +151,11 @@ struct PlanOptions {
   int64_t threads = 0;
 };
 
+// A step's kind, microbatches, stages and interleaved's window, the rest default: what
+// a Dispatcher orders its steps by (Note [Order without a list]).
+PlanOptions step_options(PlanKind kind, int64_t microbatches, int64_t stages,
+                         int64_t active_microbatches);
+
 // The options of the plan the runtime executes (Note [Executed plan] in
 // smp_core/detail/plan_execution.cpp) for a `path` of the driver's calls: unit costs
 // and the runtime's constraints

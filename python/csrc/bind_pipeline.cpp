@@ -255,11 +255,8 @@ void bind_pipeline(py::module_& m) {
                        std::shared_ptr<Server> server, py::object spawn, py::object encode_error,
                        py::object raise_error) {
              // The step's order (smp_core/plan.h; Note [Order without a list]).
-             PlanOptions order;
-             order.kind = plan_kind_from_name(kind);
-             order.microbatches = microbatches;
-             order.stages = stages;
-             order.active_microbatches = active_microbatches;
+             const PlanOptions order = step_options(plan_kind_from_name(kind), microbatches,
+                                                    stages, active_microbatches);
              // `spawn`: a TaskPool (C++ threads, Note [Task threads]) or a Python
              // callable `spawn(fn)` that runs fn on a thread of its own.
              Dispatcher::Spawn run_on;

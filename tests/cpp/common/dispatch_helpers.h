@@ -28,12 +28,7 @@ inline Message make(int64_t mb, int64_t call, int32_t kind, std::vector<at::Tens
 
 // A Dispatcher's options: the step's kind, microbatches, stages and window.
 inline PlanOptions schedule(PlanKind kind, int64_t mbs, int64_t stages, int64_t active = 3) {
-  PlanOptions o;
-  o.kind = kind;
-  o.microbatches = mbs;
-  o.stages = stages;
-  o.active_microbatches = active;
-  return o;
+  return step_options(kind, mbs, stages, active);
 }
 
 // Runs every spawned body on a detached thread of its own; the dispatcher joins them.

@@ -28,10 +28,7 @@ using testing::run_gloo_world;
 void spawn_thread(std::function<void()> body) { std::thread(std::move(body)).detach(); }
 
 PlanOptions schedule(int64_t microbatches) {
-  PlanOptions o;
-  o.microbatches = microbatches;
-  o.stages = 2;
-  return o;
+  return step_options(PlanKind::kInterleaved, microbatches, 2, 3);
 }
 
 const std::string kFlags("\1\0", 2);

@@ -15,11 +15,7 @@ namespace {
 
 PlanOptions opts(PlanKind kind, int64_t mb, int64_t stages, std::vector<int64_t> path = {},
                  int64_t active = 3) {
-  PlanOptions o;
-  o.kind = kind;
-  o.microbatches = mb;
-  o.stages = stages;
-  o.active_microbatches = active;
+  PlanOptions o = step_options(kind, mb, stages, active);
   o.path = std::move(path);
   return o;
 }

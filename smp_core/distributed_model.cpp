@@ -71,7 +71,17 @@ ReducerStats DistributedModel::backward(const at::Tensor& loss, bool sync) {
   I.step->set_sync_step(sync);  // the caller decides each step (no backward_passes_per_step)
   I.step->begin_microbatch(/*last=*/true);
   I.step->prepare_for_backward(*I.reducer, {loss});
-  loss.backward();
+  try {
+    loss.backward();
+  } catch (const std::exception& e) {
+    // The peers raise in this step's reduction, naming this rank, instead of waiting
+    // for it until the timeout (Note [Failed rank] in detail/reducer_shadow.cpp); a
+    // step that does not synchronize has no collective to tell them in.
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    I.step->fail_step(I.reducer.get(), I.step->sync_step(), I.step->armed(), what);
+    throw;
+  }
   return I.step->end_step(I.reducer.get());
 }
 

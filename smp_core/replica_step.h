@@ -27,8 +27,10 @@
 // - Join (python/smp/join.py) broadcasts the buffers from the last active rank instead
 //   of dp rank 0 (join_sync_buffers): Python asks forward_sync() and runs Join's
 //   broadcast itself. smp::DistributedModel has no Join.
-// - Failures. smp::DistributedModel's backward() lets an exception through and does not
-//   call fail_step (its peers wait until the timeout), as before this class.
+// - Failures. smp::DistributedModel's backward() calls fail_step when autograd throws,
+//   then rethrows: a synchronized step's peers raise naming this rank. It sets no
+//   failure post, so a failed step that does not synchronize tells nobody (its peers'
+//   next reduction times out, naming what it awaited); Python posts it.
 // - Which replicas reduce: Python's `reduces` is config 'ddp' and more than one replica;
 //   smp::DistributedModel always reduces (a reducer even on a group of one).
 //

@@ -776,5 +776,41 @@ TEST(DistributedModel, MatchesOneProcessOnTheWholeBatch) {
   }
 }
 
+// A backward that throws on one rank: that rank rethrows its own error, and the other
+// raises in its reduction naming it (Note [Failed rank]), instead of waiting for it
+// until the timeout: its message names the rank (a timeout would name what it awaited).
+struct ThrowsInBackward : torch::autograd::Function<ThrowsInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    throw std::runtime_error("kaboom in backward\nsecond line");
+  }
+};
+
+TEST(DistributedModel, ABackwardThatThrowsNamesTheRankOnItsPeers) {
+  run_gloo_world(2, [&](int r, const ProcessGroupPtr& pg, const StorePtr&) {
+    auto net = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::Linear(8, 2));
+    DistributedModelOptions o;
+    o.timeout_s = 20;
+    DistributedModel model(net.ptr(), o, pg);
+    at::Tensor out = model(torch::ones({3, 4}));
+    if (r == 1) out = ThrowsInBackward::apply(out);
+    try {
+      model.backward(out.sum());
+      FAIL() << "rank " << r << ": backward returned";
+    } catch (const CommError& e) {
+      EXPECT_EQ(r, 0);
+      EXPECT_NE(std::string(e.what()).find("dp rank(s) 1 of the dp process group"),
+                std::string::npos)
+          << e.what();
+    } catch (const std::exception& e) {
+      EXPECT_EQ(r, 1) << e.what();
+      EXPECT_NE(std::string(e.what()).find("kaboom in backward"), std::string::npos) << e.what();
+    }
+  });
+}
+
 }  // namespace
 }  // namespace smp

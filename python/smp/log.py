@@ -143,8 +143,9 @@ def log_plan_departure(step, why, rank):
     level = logging.WARNING if _departures[0] == 1 else logging.INFO
     get_logger("pipeline").log(
         level, "smp: step %d left its pipeline plan on rank %d: %s. The rest of the step ran "
-        "without a list, by the plans' rule as work became ready (same numbers); the next step is planned from this "
-        "step's calls where every microbatch made the same ones", step, rank, why)
+        "without a list, by the plans' rule as work became ready (same numbers); the next "
+        "step is planned from this step's calls where every microbatch made the same ones",
+        step, rank, why)
 
 
 def log_plan(text, rank):

@@ -160,7 +160,7 @@ def test_data_dependent_step_leaves_the_plan_and_matches_one_process(ranks, pipe
     results = ranks(FALLBACK, 2, args=(pipeline,), timeout=180)
     for rep in _reports(results):
         # Step 2 began with step 1's plan and left it; step 3 had no uniform path to
-        # plan (step 2's microbatches differed), so it ran in the dynamic order.
+        # plan (step 2's microbatches differed), so it ran without a list.
         assert rep["planned_steps"] == 1 and rep["fallbacks"] == 1, rep
     # Note [Leaving the plan]: never silent. The driver saw microbatch 1 call pp rank 1
     # once where the plan has two calls there, and says so in a warning.

@@ -8,6 +8,7 @@
 #include "partition/detail/cost_model.h"
 #include "partition/detail/linear_partition.h"
 #include "partition/detail/module_tree.h"
+#include "smp_common/hash.h"
 
 namespace smp::partition {
 namespace {
@@ -18,8 +19,8 @@ using detail::fail;
 // that ties are exact and every rank sees the same comparisons.
 constexpr double kCostScale = 1099511627776.0;  // 2^40
 
-constexpr uint64_t kFnvOffset = 14695981039346656037ull;
-constexpr uint64_t kFnvPrime = 1099511628211ull;
+using smp::common::fnv1a;
+using smp::common::kFnvOffset;
 
 void validate_options(const Options& o) {
   if (o.partitions < 1) fail("'partitions'=", o.partitions, " is not allowed (must be >= 1)");
@@ -121,14 +122,6 @@ std::vector<int> auto_assignment(const std::vector<ModuleNode>& nodes,
   return a;
 }
 
-uint64_t fnv1a(uint64_t h, const void* data, size_t len) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < len; ++i) {
-    h ^= p[i];
-    h *= kFnvPrime;
-  }
-  return h;
-}
 
 uint64_t fnv1a_int(uint64_t h, int64_t v) {
   unsigned char bytes[8];

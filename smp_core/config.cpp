@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "smp_common/env.h"
+#include "smp_common/hash.h"
 
 namespace smp {
 namespace {
@@ -132,15 +133,6 @@ const std::vector<std::string>& placement_choices() {
   static const std::vector<std::string> c = {"cluster", "spread", "DPT", "DTP", "PDT",
                                              "PTD",     "TDP",    "TPD"};
   return c;
-}
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
 }
 
 }  // namespace
@@ -274,7 +266,7 @@ std::string Config::to_json() const {
   return j.dump();  // nlohmann::json objects keep keys sorted
 }
 
-uint64_t Config::hash() const { return fnv1a(to_json()); }
+uint64_t Config::hash() const { return common::fnv1a(to_json()); }
 
 void Config::validate_world(int world_size, int rank) const {
   if (world_size % partitions != 0)

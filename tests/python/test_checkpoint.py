@@ -372,6 +372,30 @@ def test_comm_hook_state_pickles_without_process_group(tmp_path):
     assert state.process_group is not None  # the caller's state is untouched
 
 
+def test_powersgd_state_pickles_as_plain_data_and_reads_older_pickles():
+    # Note [Hook state loads weights-only]: the pickle holds the random stream as its
+    # MT19937 key and position (no numpy object), so torch.load's weights-only default
+    # loads it; a state in torch's form (what this class pickled before: `rng` a numpy
+    # RandomState) still restores the same state.
+    import io
+    from smp.ddp_comm_hooks import powerSGD_hook as psgd
+    state = psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3,
+                               random_seed=11)
+    plain = state.__getstate__()
+    assert "rng" not in plain and len(plain["rng_key"]) == 624, sorted(plain)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    for got in (torch.load(buf, weights_only=True), psgd.PowerSGDState.__new__(psgd.PowerSGDState)):
+        if not hasattr(got, "_native"):
+            got.__setstate__(state.state_dict())  # the older pickle's form
+        a, b = got.state_dict(), state.state_dict()
+        ra, rb = a.pop("rng"), b.pop("rng")
+        assert a == b, (a, b)
+        assert all((x == y).all() if hasattr(x, "all") else x == y
+                   for x, y in zip(ra.get_state(), rb.get_state()))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="partial"):
         smp.save({}, "x", partial="yes")
@@ -545,13 +569,13 @@ def test_merge_errors_name_the_files(tmp_path):
 # --- weights_only, as torch.load (Note [smp.load and weights_only]) ----------------------
 
 WEIGHTS_ONLY = r"""
-import json, sys, torch, smp
-from smp.ddp_comm_hooks import powerSGD_hook as psgd
+import fractions, json, sys, torch, smp
 opts = json.loads(sys.argv[1])
 smp.init({"partitions": 2, "timeout_s": 30})
-# pp rank 1's part holds smp's hook function: weights-only unpickling refuses that part,
-# and both ranks (rank 0 reads only its own part) raise the same error.
-extra = {"comm_hook": psgd.powerSGD_hook} if smp.pp_rank() == 1 else {}
+# pp rank 1's part holds an object no safe-globals list allows (a Fraction): weights-only
+# unpickling refuses that part, and both ranks (rank 0 reads only its own part) raise
+# the same error.
+extra = {"frac": fractions.Fraction(1, 3)} if smp.pp_rank() == 1 else {}
 smp.save({"w": torch.full((5,), float(smp.pp_rank())), **extra}, opts["ck"], partial=True)
 for kw in ({}, {"weights_only": False}, {"weights_only": True}):
     try:
@@ -601,31 +625,32 @@ def test_weights_only_as_torch_load(tmp_path):
             (str(e.value), torch_refuses)
         # SMP v1's default (full unpickling) still loads it.
         assert torch.equal(smp.load(ck, partial=False)["model"]["weight"], net.weight.detach())
-    # smp's hook and its state: SMP v1's default (pickle_module=pickle) loads them, as
-    # torch.load with a pickle module; weights_only=True refuses them as torch 2.x refuses
-    # torch's own PowerSGDState, naming the file, in an smp file and a plain torch.save one.
+    # smp's hook and its state load under every choice, weights_only=True included (Note
+    # [Hook state loads weights-only] in smp/ddp_comm_hooks/_safe.py), in an smp file and
+    # a plain torch.save one; the same with torch's own PowerSGDState is refused, naming
+    # the file.
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as torch_psgd
     hooked = {"comm_hook": psgd.powerSGD_hook, "comm_hook_state": psgd.PowerSGDState(None)}
     smp.save(hooked, str(tmp_path / "hook.pt"), partial=False)
     torch.save(hooked, str(tmp_path / "plain.pt"))
     for name in ("hook.pt", "plain.pt"):
         path = str(tmp_path / name)
-        got = smp.load(path, partial=False)
-        assert got["comm_hook"] is psgd.powerSGD_hook, name
-        assert isinstance(got["comm_hook_state"], psgd.PowerSGDState), name
-        with pytest.raises(smp.CheckpointError) as e:
-            smp.load(path, partial=False, weights_only=True)
-        msg = str(e.value)
-        assert msg.startswith(f"smp.load: '{path}' holds objects that weights_only=True "
-                              "refuses") and "smp.ddp_comm_hooks.powerSGD_hook" in msg, msg
-        assert "It holds smp objects (a comm hook or its state" in msg, msg
-        assert "Pass weights_only=False only for a file you trust" in msg, msg
-        # pickle_module=None: torch.load's default for the torch under test.
-        if LOAD_DEFAULTS_TO_WEIGHTS_ONLY:
-            with pytest.raises(smp.CheckpointError, match="weights_only=True refuses"):
-                smp.load(path, partial=False, pickle_module=None)
-        else:
-            assert smp.load(path, partial=False, pickle_module=None)["comm_hook"] is \
-                psgd.powerSGD_hook
+        for how in ({}, {"weights_only": True}, {"pickle_module": None}):
+            got = smp.load(path, partial=False, **how)
+            assert got["comm_hook"] is psgd.powerSGD_hook, (name, how)
+            assert isinstance(got["comm_hook_state"], psgd.PowerSGDState), (name, how)
+    theirs = str(tmp_path / "torch_hook.pt")
+    torch.save({"comm_hook": torch_psgd.powerSGD_hook,
+                "comm_hook_state": torch_psgd.PowerSGDState(None)}, theirs)
+    with pytest.raises(smp.CheckpointError) as e:
+        smp.load(theirs, partial=False, weights_only=True)
+    msg = str(e.value)
+    assert msg.startswith(f"smp.load: '{theirs}' holds objects that weights_only=True "
+                          "refuses"), msg
+    assert "Pass weights_only=False only for a file you trust" in msg, msg
+    if LOAD_DEFAULTS_TO_WEIGHTS_ONLY:  # pickle_module=None: torch.load's default
+        with pytest.raises(smp.CheckpointError, match="weights_only=True refuses"):
+            smp.load(theirs, partial=False, pickle_module=None)
     # Bad arguments name the setting.
     with pytest.raises(ValueError, match=r"'weights_only'=1 is not one of \{None, True, False\}"):
         smp.load(ck, partial=False, weights_only=1)
@@ -639,7 +664,7 @@ def test_weights_only_as_torch_load(tmp_path):
     for r in res:
         lines = r.stdout.splitlines()
         assert lines[0] == "LOADED {} ['w']" and lines[1] == "LOADED {'weights_only': False} ['w']" \
-            if r.rank == 0 else lines[0].startswith("LOADED {} ['comm_hook', 'w']"), r
+            if r.rank == 0 else lines[0].startswith("LOADED {} ['frac', 'w']"), r
         assert lines[2].startswith(f"REFUSED {{'weights_only': True}} smp.load: "
                                    f"'{tmp_path}/pp_1' holds objects"), r
         assert lines[2].endswith("(pp rank 1)"), r

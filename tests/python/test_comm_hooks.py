@@ -230,8 +230,10 @@ ours = train(hooked(ours_state, counting(sps.powerSGD_hook)), cap=SMALL, steps=2
 assert len(buckets) == 4, buckets
 same("powerSGD 4 buckets", ours,
      train(hooked(torch_state, awaited(tps.powerSGD_hook)), cap=SMALL, steps=22))
-# The states pickle alike: torch's fields (no process group), the same values.
-mine, theirs = ours_state.__getstate__(), torch_state.__getstate__()
+# The states hold the same: smp's state_dict() has torch's pickled fields (no process
+# group), the same values (smp's own pickle holds them as plain data: Note [Hook state
+# loads weights-only]).
+mine, theirs = ours_state.state_dict(), torch_state.__getstate__()
 assert "process_group" not in mine and set(theirs) <= set(mine), (set(theirs) - set(mine))
 for key, value in theirs.items():
     if key == "rng":

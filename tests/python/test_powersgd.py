@@ -443,7 +443,7 @@ def test_bad_inputs_raise_on_every_rank(ranks):
 # a fresh model), trained before and after the reload, with torch's names on torch DDP
 # and smp's names on smp, in the same processes.
 SEED_EXAMPLE = r"""
-import sys
+import pickle, sys
 import torch, torch.nn as nn, torch.optim as optim, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
@@ -477,12 +477,20 @@ if phase == "first":
     smp_state = smp_powerSGD.PowerSGDState(process_group=None, start_powerSGD_iter=2)
     smp_model.register_comm_hook(smp_state, smp_powerSGD.powerSGD_hook)
 else:
-    checkpoint = torch.load(f"{ckpt}.torch", weights_only=False)  # hook objects: full pickle
+    # torch's hook and state need full pickle (torch >= 2.6 refuses them by default);
+    # smp's load with torch.load's default (Note [Hook state loads weights-only]).
+    if torch.__version__ >= "2.6":
+        try:
+            torch.load(f"{ckpt}.torch")
+            raise SystemExit("torch's PowerSGDState loaded weights-only")
+        except pickle.UnpicklingError as e:
+            print("TORCH_REFUSED", "PowerSGDState" in str(e) or "powerSGD" in str(e))
+    checkpoint = torch.load(f"{ckpt}.torch", weights_only=False)
     ddp_model = DistributedDataParallel(SimpleModel())
     ddp_model.load_state_dict(checkpoint["state_dict"])
     ddp_model.register_comm_hook(checkpoint["comm_hook_state"], checkpoint["comm_hook"])
     state = checkpoint["comm_hook_state"]
-    checkpoint = torch.load(f"{ckpt}.smp", weights_only=False)
+    checkpoint = torch.load(f"{ckpt}.smp")
     smp_model = smp.DistributedModel(SimpleModel())
     smp_model.load_state_dict(checkpoint["state_dict"])
     smp_model.register_comm_hook(checkpoint["comm_hook_state"], checkpoint["comm_hook"])
@@ -522,7 +530,12 @@ def test_seed_example_reload_lands_where_torch_lands(ranks, tmp_path):
     # state saved in the rebuilt one; smp shows hooks the same layouts (Note [Hook
     # buckets follow torch's] in smp_core/detail/reducer_rebuild.cpp), so it lands on
     # the same point.
+    # The example loads smp's hook and state with torch.load's default, weights-only
+    # since torch 2.6 (Note [Hook state loads weights-only]); torch's own are refused.
+    from torch_peer import LOAD_DEFAULTS_TO_WEIGHTS_ONLY
     ckpt = str(tmp_path / "checkpoint.pt")
     for phase in ("first", "second"):
         res = ranks(SEED_EXAMPLE, 2, args=(phase, ckpt))
         print(res[0].stdout.strip())
+        if phase == "second" and LOAD_DEFAULTS_TO_WEIGHTS_ONLY:
+            assert all("TORCH_REFUSED True" in r.stdout for r in res), res

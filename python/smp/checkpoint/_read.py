@@ -40,8 +40,9 @@ class _Records:
 def _refused(path, reason):
     """The error for a file torch's weights-only unpickler refused (Note [smp.load and
     weights_only] in _torch_load.py)."""
-    ours = (" It holds smp objects (a comm hook or its state, such as PowerSGDState), which "
-            "weights_only=True refuses as torch.load refuses torch's own PowerSGDState."
+    ours = (" It holds an smp object that smp does not allow there: smp's comm hooks and "
+            "PowerSGDState load weights-only (Note [Hook state loads weights-only] in "
+            "smp/ddp_comm_hooks/_safe.py); other objects do not."
             if "smp." in reason else "")
     return CheckpointError(
         f"smp.load: '{path}' holds objects that weights_only=True refuses: it loads tensors, "

@@ -30,8 +30,9 @@ __all__ = []
 # everything (checkpoints carry optimizer state, user content, comm hook states).
 # `weights_only=True` (or `pickle_module=None` on torch >= 2.6) unpickles with torch's
 # weights-only unpickler: tensors, plain containers and numbers, plus what the user allows
-# with `torch.serialization.add_safe_globals`. smp's comm hooks and their states are
-# refused there, as torch.load refuses torch's own PowerSGDState.
+# with `torch.serialization.add_safe_globals`. smp's comm hooks and PowerSGDState are on
+# that list (Note [Hook state loads weights-only] in smp/ddp_comm_hooks/_safe.py);
+# torch's own PowerSGDState is refused there.
 
 _DEFAULT_WEIGHTS_ONLY = torch.__version__ >= "2.6"
 _LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(_ser._load).parameters

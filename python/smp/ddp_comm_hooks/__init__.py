@@ -15,6 +15,9 @@ from smp.ddp_comm_hooks import (
     debugging_hooks, default_hooks, post_localSGD_hook, powerSGD_hook, quantization_hooks,
 )
 from smp.ddp_comm_hooks._builtin import native_of
+from smp.ddp_comm_hooks import _safe
+
+_safe.register()  # Note [Hook state loads weights-only]
 
 __all__ = ["DDPCommHookType", "register_ddp_comm_hook", "default_hooks", "debugging_hooks",
            "powerSGD_hook", "quantization_hooks", "post_localSGD_hook"]

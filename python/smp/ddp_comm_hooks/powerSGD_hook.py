@@ -161,22 +161,34 @@ class PowerSGDState:
         return snap
 
     def load_state_dict(self, state_dict):
-        """Loads what state_dict() (or torch's PowerSGDState.__getstate__()) returned;
-        training then continues exactly where it was saved. Keeps the process group."""
+        """Loads what state_dict() (or torch's PowerSGDState.__getstate__(), or a pickle
+        of this class) returned; training then continues exactly where it was saved.
+        Keeps the process group."""
         d = dict(state_dict)
         rng = d.pop("rng", None)
-        if rng is None:
-            raise _config_error("smp: PowerSGDState.load_state_dict: the state has no 'rng'")
-        kind, key, pos, has_gauss, _ = rng.get_state()
-        if kind != "MT19937" or has_gauss:
-            raise _config_error(f"smp: PowerSGDState.load_state_dict: rng state {kind!r} "
-                                f"(has_gauss={has_gauss}) is not a fresh MT19937 RandomState")
-        d["rng_key"] = [int(k) for k in key]
-        d["rng_pos"] = int(pos)
+        if rng is not None:
+            kind, key, pos, has_gauss, _ = rng.get_state()
+            if kind != "MT19937" or has_gauss:
+                raise _config_error(f"smp: PowerSGDState.load_state_dict: rng state {kind!r} "
+                                    f"(has_gauss={has_gauss}) is not a fresh MT19937 "
+                                    "RandomState")
+            d["rng_key"] = [int(k) for k in key]
+            d["rng_pos"] = int(pos)
+        elif "rng_key" not in d or "rng_pos" not in d:
+            raise _config_error("smp: PowerSGDState.load_state_dict: the state has no 'rng' "
+                                "(nor 'rng_key' and 'rng_pos')")
         self._native.restore(d)
 
+    # Note [Hook state loads weights-only]: a pickle of the state holds plain data only
+    # (numbers, lists, dicts of tensors): the random stream as its MT19937 key and
+    # position, not a numpy RandomState, so torch.load's default weights-only unpickler
+    # (torch >= 2.6) loads it once smp allows the class (smp/ddp_comm_hooks/_safe.py).
+    # state_dict() keeps torch's fields, `rng` a RandomState, for torch's own loaders;
+    # __setstate__ takes both, so pickles written before this keep loading.
     def __getstate__(self):
-        return self.state_dict()
+        snap = self._native.snapshot(True)
+        snap.pop("timeout_s", None)
+        return snap
 
     def __setstate__(self, state):
         o = {k: state[k] for k in _OPTIONS if k in state}

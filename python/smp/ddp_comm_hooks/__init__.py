@@ -79,4 +79,14 @@ def _install(reducer, state, hook):
     hook sees the bucket layouts torch's DDP would show it (Note [Hook buckets follow
     torch's] in smp_core/detail/reducer_rebuild.cpp)."""
     reducer.register_comm_hook(state, native_of(hook) or hook)
-    reducer.use_torch_initial_layout()
+    # Note [Hook state carries its layout] (powerSGD_hook.py): a loaded state brings the
+    # buckets it is indexed by.
+    take = getattr(state, "_smp_take_layout", None)
+    layout = take() if take is not None else None
+    if layout is not None:
+        reducer.adopt_layout(layout)
+    else:
+        reducer.use_torch_initial_layout()
+    attach = getattr(state, "_smp_attach", None)
+    if attach is not None:
+        attach(reducer)

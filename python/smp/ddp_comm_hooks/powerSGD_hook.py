@@ -11,6 +11,8 @@ Gloo (torch 1.13's hook aborts there with two or more; its batched hook always f
 Cost per compressed n x m matrix: (n + m) * rank elements sent instead of n * m, and
 two (n x m) x (m x rank) products plus an orthogonalisation of each factor.
 """
+import weakref
+
 import numpy as np
 import torch
 
@@ -112,6 +114,10 @@ class PowerSGDState:
             max(1, int(compression_stats_logging_frequency)),
             bool(batch_tensors_with_same_shape))
         self._process_group = process_group
+        # Note [Hook state carries its layout]: the buckets a loaded state is indexed by
+        # (adopted at registration), and the reducer this state is registered on.
+        self._layout = None
+        self._reducer = None
 
     # --- torch's attributes ------------------------------------------------------------
 
@@ -151,20 +157,51 @@ class PowerSGDState:
 
     def state_dict(self):
         """The state without the process group: torch's PowerSGDState fields (`rng` is a
-        numpy RandomState) plus `random_seed`. Tensors are copies."""
-        snap = self._native.snapshot(True)
+        numpy RandomState) plus `random_seed` and `bucket_layout` (Note [Hook state
+        carries its layout]). Tensors are copies."""
+        snap = self._plain_state()
         rng = np.random.RandomState()
         rng.set_state(("MT19937", np.array(snap.pop("rng_key"), dtype=np.uint32),
                        snap.pop("rng_pos"), 0, 0.0))
         snap["rng"] = rng
-        snap.pop("timeout_s", None)
         return snap
+
+    # Note [Hook state carries its layout]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The error feedback and the memories are kept per bucket index, each tensor laid
+    # out in its bucket's order. A fresh reducer lays out its first step as torch's DDP
+    # constructor does (Note [Hook buckets follow torch's] in
+    # smp_core/detail/reducer_rebuild.cpp), not as the saved run's rebuilt buckets were,
+    # so a state saved by hand and registered on a fresh model used to land its rows on
+    # other parameters for a step (3.8e-3 off the uninterrupted run on a one-bucket MLP).
+    # The state saves the layout it is indexed by (`bucket_layout`: the buckets' parameter
+    # indices, from the reducer it is registered on), and registering a loaded state
+    # makes the reducer adopt that layout, as an automatic resume does: the resume is
+    # bitwise whichever way the state was saved (a pickle, state_dict(), a checkpoint).
+    # torch's own reload applies a state to its constructor's layout instead.
+    def _plain_state(self):
+        snap = self._native.snapshot(True)
+        snap.pop("timeout_s", None)
+        reducer = self._reducer() if self._reducer is not None else None
+        snap["bucket_layout"] = [list(b) for b in reducer.bucket_indices()] \
+            if reducer is not None else self._layout
+        return snap
+
+    def _smp_take_layout(self):
+        """The layout a loaded state is indexed by, once (registration adopts it)."""
+        layout, self._layout = self._layout, None
+        return layout
+
+    def _smp_attach(self, reducer):
+        """Registered on `reducer` (smp/ddp_comm_hooks/__init__.py _install)."""
+        self._reducer = weakref.ref(reducer)
 
     def load_state_dict(self, state_dict):
         """Loads what state_dict() (or torch's PowerSGDState.__getstate__(), or a pickle
         of this class) returned; training then continues exactly where it was saved.
         Keeps the process group."""
         d = dict(state_dict)
+        layout = d.pop("bucket_layout", None)
         rng = d.pop("rng", None)
         if rng is not None:
             kind, key, pos, has_gauss, _ = rng.get_state()
@@ -178,6 +215,7 @@ class PowerSGDState:
             raise _config_error("smp: PowerSGDState.load_state_dict: the state has no 'rng' "
                                 "(nor 'rng_key' and 'rng_pos')")
         self._native.restore(d)
+        self._layout = [[int(i) for i in b] for b in layout] if layout else None
 
     # Note [Hook state loads weights-only]: a pickle of the state holds plain data only
     # (numbers, lists, dicts of tensors): the random stream as its MT19937 key and
@@ -186,9 +224,7 @@ class PowerSGDState:
     # state_dict() keeps torch's fields, `rng` a RandomState, for torch's own loaders;
     # __setstate__ takes both, so pickles written before this keep loading.
     def __getstate__(self):
-        snap = self._native.snapshot(True)
-        snap.pop("timeout_s", None)
-        return snap
+        return self._plain_state()
 
     def __setstate__(self, state):
         o = {k: state[k] for k in _OPTIONS if k in state}

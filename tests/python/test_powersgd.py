@@ -366,12 +366,12 @@ else:
 """
 
 
-@pytest.mark.parametrize("hook", ["psgd", "batched"])
-@pytest.mark.parametrize("way,buckets,momentum,pp", [("pickle", "many", "0", 1),
-                                                     ("pickle", "one", "0.9", 1),
-                                                     ("state_dict", "one", "0.9", 1),
-                                                     ("state_dict", "many", "0.9", 1),
-                                                     ("pickle", "one", "0.9", 2)])
+# Each hook under each way of saving, both bucket counts and both layouts of ranks.
+@pytest.mark.parametrize("hook,way,buckets,momentum,pp", [
+    ("psgd", "pickle", "many", "0", 1), ("batched", "pickle", "many", "0", 1),
+    ("psgd", "pickle", "one", "0.9", 1), ("batched", "state_dict", "one", "0.9", 1),
+    ("psgd", "state_dict", "many", "0.9", 1), ("batched", "pickle", "one", "0.9", 2),
+    ("psgd", "state_dict", "one", "0.9", 2)])
 def test_resume_from_torch_save_is_exact(ranks, tmp_path, hook, way, buckets, momentum, pp):
     # Note [Hook state carries its layout] (smp/ddp_comm_hooks/powerSGD_hook.py): a
     # state saved by hand after compression started (step 3) resumes bitwise, saved as

@@ -61,6 +61,28 @@ using detail::kWeightPhase;
 //  - A step that runs no backward (begin_step's `planned` false) runs without a plan
 //    and keeps the recorded path for the next training step.
 
+// The admission phase of a compute action (Phase's values, kWeightPhase for W; I is
+// what a backward request runs under zero_bubble: Note [Zero bubble at run time]), and
+// the action a phase begins where the step has no list (no I there).
+int32_t action_phase_of(Op op) {
+  return op == Op::kForward          ? static_cast<int32_t>(Phase::kForward)
+         : op == Op::kBackwardWeight ? kWeightPhase
+                                     : static_cast<int32_t>(Phase::kBackward);
+}
+
+Op op_of(int32_t action_phase) {
+  return action_phase == static_cast<int32_t>(Phase::kForward) ? Op::kForward
+         : action_phase == kWeightPhase                         ? Op::kBackwardWeight
+                                                                : Op::kBackward;
+}
+
+// The action a failed cell names (B for a backward, whose I the lists may hold).
+Op op_of(const FailedCell& failed) {
+  return failed.phase == Phase::kForward ? Op::kForward
+         : failed.weight                 ? Op::kBackwardWeight
+                                         : Op::kBackward;
+}
+
 // The driver's calls of a microbatch on `path`: (destination, backward) in order.
 std::vector<std::pair<int, bool>> calls_on(const std::vector<int64_t>& path) {
   std::vector<std::pair<int, bool>> calls;
@@ -145,10 +167,7 @@ void Dispatcher::Impl::install_plan(int64_t microbatches, const std::vector<int6
   int64_t weight_actions = 0;
   for (const Action& a : p->compute()[me]) {
     if (absorb && a.op == Op::kBackward && a.hop == last) continue;
-    // I is what a backward request runs under zero_bubble (Note [Zero bubble at run time]).
-    const int32_t phase = a.op == Op::kForward          ? static_cast<int32_t>(Phase::kForward)
-                          : a.op == Op::kBackwardWeight ? kWeightPhase
-                                                        : static_cast<int32_t>(Phase::kBackward);
+    const int32_t phase = action_phase_of(a.op);
     weight_actions += a.op == Op::kBackwardWeight;
     pos[{a.mb, phase, count[{a.mb, phase}]++}] = static_cast<int64_t>(mine.size());
     mine.push_back(a);
@@ -308,10 +327,7 @@ int64_t Dispatcher::Impl::admit(int64_t mb, int32_t action_phase) {
 void Dispatcher::Impl::took(int64_t mb, int32_t action_phase) {
   std::lock_guard<std::mutex> lock(mu);
   if (exec.on) return;
-  const Op op = action_phase == static_cast<int32_t>(Phase::kForward) ? Op::kForward
-                : action_phase == kWeightPhase                         ? Op::kBackwardWeight
-                                                                       : Op::kBackward;
-  exec.ran.push_back(Action{op, mb, -1, -1});
+  exec.ran.push_back(Action{op_of(action_phase), mb, -1, -1});
 }
 
 // Note [Leaving the plan]
@@ -319,9 +335,10 @@ void Dispatcher::Impl::took(int64_t mb, int32_t action_phase) {
 // A step whose calls depart from its plan (control flow that differs between steps: a
 // microbatch that calls other pp ranks, or fewer, or calls back into the driver) cannot
 // walk the plan's lists any further: the actions it would wait for never come. The rank
-// that sees it says so to every pp rank (kPlanOff) and each goes on in the order without a list
-// (Note [Order without a list] in smp_core/plan.cpp) for the rest of the step; the numbers are the same either way (Note
-// [Microbatch random streams], Note [Gradient order]). It is never silent: the rank
+// that sees it says so to every pp rank (kPlanOff) and each goes on without a list
+// (Note [Order without a list] in smp_core/plan.cpp) for the rest of the step; the
+// numbers are the same either way (Note [Microbatch random streams], Note [Gradient
+// order]). It is never silent: the rank
 // keeps `why` (Dispatcher::plan_departure(); Stats::plan_fallbacks counts it) and the
 // Python runtime logs it with the step, and the next training step is planned from
 // this step's calls when they are uniform (record_path: re-planned), or runs unplanned
@@ -487,18 +504,12 @@ std::string Dispatcher::plan_text(const FailedCell* failed) const {
   if (!failed || failed->stage < 0 || failed->stage >= static_cast<int64_t>(p.compute().size()))
     return p.format() + after;
   // The failed cell's first action of its phase on its rank.
-  const Op op = failed->phase == Phase::kForward ? Op::kForward
-                : failed->weight                 ? Op::kBackwardWeight
-                                                 : Op::kBackward;
+  const Op op = op_of(*failed);
   for (const Action& a : p.compute().at(failed->stage))
     if (a.mb == failed->mb && (a.op == op || (op == Op::kBackward && a.op == Op::kBackwardInput)))
       return p.format(&a, failed->stage) + after;
   return p.format() + after;
 }
-
-}  // namespace smp
-
-namespace smp {
 
 // Note [Order without a list]: what this rank ran in a step without a plan (or after it
 // left its plan), as one line in the plan's vocabulary, the failed cell marked.
@@ -508,10 +519,8 @@ std::string Dispatcher::Impl::ran_text(const FailedCell* failed) const {
   bool marked = false;
   for (const Action& a : exec.ran) {
     std::string cell = a.str();
-    const bool weight = a.op == Op::kBackwardWeight;
-    const Phase phase = a.op == Op::kForward ? Phase::kForward : Phase::kBackward;
     if (failed && !marked && failed->stage == me && failed->mb == a.mb &&
-        failed->phase == phase && failed->weight == weight) {
+        a.op == op_of(*failed)) {
       cell = "[" + cell + "]";
       marked = true;
     }

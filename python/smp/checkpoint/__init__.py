@@ -21,7 +21,9 @@ One concept per module:
 - `_crash`: fault injection for the crash tests;
 - `_common`: the error type, argument checks, the pp group's agreement on an error;
 - `_torch_load`: torch's unpickler over records read by C++;
-- `merge` (and `python -m smp.checkpoint merge`): a partial save as one plain file.
+- `merge` (and `python -m smp.checkpoint merge`): a partial save as one plain file;
+- `dcp` (and `python -m smp.checkpoint to-dcp` / `from-dcp`): `to_dcp` and `from_dcp`,
+  interchange with torch.distributed.checkpoint, model and optimizer state.
 """
 from smp.checkpoint._api import load, save  # noqa: F401  (the package's names)
 from smp.checkpoint._common import CheckpointError  # noqa: F401
@@ -32,3 +34,12 @@ __all__ = []
 # `smp.checkpoint.merge_partial` / `optimizer_to_torch` and `python -m smp.checkpoint
 # merge`: the parts of a partial save as one plain state dict (docs/checkpoint.md).
 from smp.checkpoint.merge import merge_partial, optimizer_to_torch  # noqa: E402,F401
+
+
+def __getattr__(name):
+    """`smp.checkpoint.to_dcp` / `from_dcp` (dcp.py), imported when first used."""
+    if name in ("to_dcp", "from_dcp"):
+        # Note [DCP imported when used] in dcp.py: `import smp` stays as cheap as before.
+        from smp.checkpoint import dcp
+        return getattr(dcp, name)
+    raise AttributeError(f"module 'smp.checkpoint' has no attribute {name!r}")

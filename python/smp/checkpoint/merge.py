@@ -123,8 +123,10 @@ def optimizer_to_torch(state_dict, module):
     return {"state": state, "param_groups": groups}
 
 
-def main(argv):
-    """`python -m smp.checkpoint merge [--key KEY] PART... OUT`; returns the exit status."""
+def main(argv, commands=()):
+    """`python -m smp.checkpoint merge [--key KEY] PART... OUT`; returns the exit status.
+    `commands`: functions that add further subcommands to the parser's subparsers, each
+    with a `run(args)` default that runs it (dcp.add_commands: `to-dcp`, `from-dcp`)."""
     parser = argparse.ArgumentParser(
         prog="python -m smp.checkpoint",
         description="Tools for smp checkpoints (docs/checkpoint.md).")
@@ -138,7 +140,11 @@ def main(argv):
                    help="the part files (any order), or the name given to smp.save")
     m.add_argument("out", metavar="OUT", help="the file to write (plain torch.save)")
     m.add_argument("--key", help="write only this entry of the merged dict (e.g. model)")
+    for add in commands:
+        add(sub)
     args = parser.parse_args(argv)
+    if args.command != "merge":
+        return args.run(args)
     out = os.path.abspath(args.out)
     if any(os.path.abspath(p) == out for p in args.parts):
         print(f"smp: merge: OUT '{args.out}' is one of the parts", file=sys.stderr)

@@ -17,6 +17,7 @@
 #include <thread>
 #include <sstream>
 
+#include "checkpoint/detail/hash.h"
 #include "checkpoint/detail/trailer.h"
 #include "checkpoint/detail/zip_index.h"
 #include "smp_core/errors.h"
@@ -27,18 +28,6 @@ namespace {
 using namespace detail;  // the trailer and file helpers (detail/trailer.h)
 
 constexpr size_t kChunk = 1 << 20;      // read, then hashed while still in cache
-
-void pwrite_all(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
-  auto* p = static_cast<const char*>(buf);
-  while (n > 0) {
-    ssize_t r = ::pwrite(fd, p, n, static_cast<off_t>(off));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw CheckpointError(sys_error("write failed", path));
-    p += r;
-    off += static_cast<uint64_t>(r);
-    n -= static_cast<size_t>(r);
-  }
-}
 
 std::string dir_of(const std::string& path) {
   auto slash = path.find_last_of('/');
@@ -58,15 +47,6 @@ bool exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-struct Hasher {
-  XXH3_state_t* st = XXH3_createState();
-  Hasher() { XXH3_64bits_reset(st); }
-  ~Hasher() { XXH3_freeState(st); }
-  // The runtime-dispatched variant picks AVX2/AVX-512 where the CPU has them: ~1.8x
-  // the default (SSE2) build of Debian's libxxhash here, the same hash values.
-  void update(const void* p, size_t n) { XXH3_64bits_update_dispatch(st, p, n); }
-  uint64_t digest() const { return XXH3_64bits_digest(st); }
-};
 
 }  // namespace
 
@@ -91,22 +71,12 @@ void seal(const std::string& tmp_path, Manifest& m) {
   if (map == MAP_FAILED) throw CheckpointError(sys_error("mmap failed", tmp_path));
   h.update(map, hashed);
   ::munmap(map, size);
+  // A zip someone else wrote carries no entry table: the version 1 layout.
+  m.format_version = 1;
+  m.entries_offset = m.entries_size = m.entries_hash = m.entry_chunk = 0;
   m.payload_size = size;
   m.payload_hash = h.digest();
-  std::string trailer = m.encode();
-  const uint64_t mhash = XXH3_64bits(trailer.data(), trailer.size());
-  const uint64_t mlen = trailer.size();
-  put64(trailer, mlen);
-  put64(trailer, mhash);
-  trailer.append(kMagic, 8);
-  if (trailer.size() > kMaxTrailer) {
-    throw CheckpointError(str_cat("smp: checkpoint '", tmp_path, "': manifest of ", trailer.size(),
-                                  " bytes exceeds the zip comment limit ", kMaxTrailer));
-  }
-  unsigned char clen[2] = {static_cast<unsigned char>(trailer.size() & 0xFF),
-                           static_cast<unsigned char>(trailer.size() >> 8)};
-  pwrite_all(f.fd, clen, 2, size - 2, tmp_path);
-  pwrite_all(f.fd, trailer.data(), trailer.size(), size, tmp_path);
+  append_trailer(f.fd, size, m, tmp_path);
   if (::fsync(f.fd) != 0) throw CheckpointError(sys_error("fsync failed", tmp_path));
 }
 

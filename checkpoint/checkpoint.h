@@ -23,6 +23,8 @@ namespace smp::checkpoint {
 
 // Seals the torch zip at `tmp_path` (just written, in the target's directory): hashes
 // it, stores size and hash in `m`, appends the manifest as the zip comment and fsyncs.
+// The file has the version 1 layout (no entry table: read whole); smp's own saves use
+// write_sealed (writer.h), which writes the zip itself with its entry table.
 // Throws CheckpointError if the file is not a comment-less zip.
 void seal(const std::string& tmp_path, Manifest& m);
 

@@ -6,18 +6,24 @@
 #include <boost/archive/text_iarchive.hpp>
 #include <boost/archive/text_oarchive.hpp>
 #include <boost/serialization/string.hpp>
+#include <boost/serialization/version.hpp>
 
 #include "checkpoint/checkpoint_error.h"
 #include "smp_core/errors.h"
 
 namespace boost::serialization {
 template <class Archive>
-void serialize(Archive& ar, smp::checkpoint::Manifest& m, const unsigned int /*version*/) {
+void serialize(Archive& ar, smp::checkpoint::Manifest& m, const unsigned int version) {
   ar & m.format_version & m.save_id & m.save_time_ns & m.partial & m.part & m.parts;
   ar & m.world_size & m.pp_size & m.dp_size & m.plan_hash & m.payload_size & m.payload_hash;
   ar & m.torch_version;
+  if (version >= 1) ar & m.entries_offset & m.entries_size & m.entries_hash & m.entry_chunk;
 }
 }  // namespace boost::serialization
+
+// Class version 1 (format version 2) appends the entry table's place; a version 0
+// manifest (format version 1) reads with those fields 0.
+BOOST_CLASS_VERSION(smp::checkpoint::Manifest, 1)
 
 namespace smp::checkpoint {
 

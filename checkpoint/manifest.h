@@ -8,8 +8,12 @@
 
 namespace smp::checkpoint {
 
-// Bumped when the file layout or the manifest's fields change incompatibly.
-constexpr uint32_t kFormatVersion = 1;
+// Bumped when the file layout or the manifest's fields change. Version 2 adds the
+// entry table (checkpoint/entries.h): each record's offset, length and chunk hashes,
+// so a reader can read and verify only the records it keeps. Version 1 files (one
+// hash over the whole payload) still load.
+constexpr uint32_t kFormatVersion = 2;
+constexpr uint32_t kOldestFormatVersion = 1;
 
 struct Manifest {
   // Layout version of the file (kFormatVersion when written by this smp).
@@ -35,6 +39,12 @@ struct Manifest {
   uint64_t payload_hash = 0;
   // Versions of the writer, for messages.
   std::string torch_version;
+  // Version 2: where the entry table (a zip record, covered by payload_hash too) lies,
+  // its XXH3-64, and the chunk size its per-record hashes use (0: no table, version 1).
+  uint64_t entries_offset = 0;
+  uint64_t entries_size = 0;
+  uint64_t entries_hash = 0;
+  uint64_t entry_chunk = 0;
 
   std::string encode() const;
   // Throws CheckpointError naming `path` when `text` is not a manifest.

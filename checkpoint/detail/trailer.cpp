@@ -44,6 +44,35 @@ void pread_all(int fd, void* buf, size_t n, uint64_t off, const std::string& pat
   }
 }
 
+void pwrite_all(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
+  auto* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    ssize_t r = ::pwrite(fd, p, std::min<size_t>(n, 1 << 30), static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw CheckpointError(sys_error("write failed", path));
+    p += r;
+    off += static_cast<uint64_t>(r);
+    n -= static_cast<size_t>(r);
+  }
+}
+
+void append_trailer(int fd, uint64_t size, const Manifest& m, const std::string& path) {
+  std::string trailer = m.encode();
+  const uint64_t mhash = XXH3_64bits(trailer.data(), trailer.size());
+  const uint64_t mlen = trailer.size();
+  put64(trailer, mlen);
+  put64(trailer, mhash);
+  trailer.append(kMagic, 8);
+  if (trailer.size() > kMaxTrailer) {
+    throw CheckpointError(str_cat("smp: checkpoint '", path, "': manifest of ", trailer.size(),
+                                  " bytes exceeds the zip comment limit ", kMaxTrailer));
+  }
+  unsigned char clen[2] = {static_cast<unsigned char>(trailer.size() & 0xFF),
+                           static_cast<unsigned char>(trailer.size() >> 8)};
+  pwrite_all(fd, clen, 2, size - 2, path);
+  pwrite_all(fd, trailer.data(), trailer.size(), size, path);
+}
+
 // The trailer of `fd`: manifest, with its payload bounds checked against the size.
 Manifest read_trailer(int fd, const std::string& path, uint64_t* size_out) {
   struct stat st;
@@ -73,9 +102,10 @@ Manifest read_trailer(int fd, const std::string& path, uint64_t* size_out) {
     throw CheckpointError(str_cat("smp: checkpoint '", path, "': manifest checksum mismatch (file altered)"));
   }
   Manifest m = Manifest::decode(text, path);
-  if (m.format_version != kFormatVersion) {
+  if (m.format_version < kOldestFormatVersion || m.format_version > kFormatVersion) {
     throw CheckpointError(str_cat("smp: checkpoint '", path, "': format version ", m.format_version,
-                                  " is not supported (this smp reads version ", kFormatVersion, ")"));
+                                  " is not supported (this smp reads versions ",
+                                  kOldestFormatVersion, " to ", kFormatVersion, ")"));
   }
   const uint64_t trailer = mlen + kFooter;
   // Compared as size - trailer (>= kEocd, checked above): payload_size + trailer could

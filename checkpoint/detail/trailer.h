@@ -35,6 +35,13 @@ void put64(std::string& s, uint64_t v);
 // Reads exactly n bytes at `off`; throws CheckpointError (truncated, or an I/O error).
 void pread_all(int fd, void* buf, size_t n, uint64_t off, const std::string& path);
 
+// Writes exactly n bytes at `off`; throws CheckpointError (an I/O error, a full disk).
+void pwrite_all(int fd, const void* buf, size_t n, uint64_t off, const std::string& path);
+
+// Appends `m`'s trailer to the zip of `size` bytes in `fd` (ending with a comment-less
+// end record): the comment length at size - 2, then manifest and footer. No fsync.
+void append_trailer(int fd, uint64_t size, const Manifest& m, const std::string& path);
+
 // The manifest of the file `fd` (`path` for messages), checked against the file: the
 // trailer's magic, length and hash, the format version, the payload's size, and the
 // zip comment length. Sets *size_out to the file's size. Throws CheckpointError.

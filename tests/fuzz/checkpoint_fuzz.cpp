@@ -20,6 +20,7 @@
 
 #include "checkpoint/checkpoint_error.h"
 #include "checkpoint/detail/trailer.h"
+#include "checkpoint/entries.h"
 #include "checkpoint/detail/zip_index.h"
 
 namespace ck = smp::checkpoint;
@@ -70,6 +71,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::abort();
     for (const auto& r : ck::detail::read_zip_index(fd, m.payload_size - ck::detail::kEocd, "fuzz"))
       if (r.offset > m.payload_size || r.size > m.payload_size - r.offset) std::abort();
+  } catch (const ck::CheckpointError&) {
+  }
+  // The entry table of version 2 files: anything decodes or is refused, and every
+  // decoded record lies inside the payload with one hash per chunk.
+  try {
+    const uint64_t chunk = 1 + (mode >> 2);
+    for (const auto& e : ck::decode_entries(payload, chunk, 4 * payload.size(), "fuzz")) {
+      if (e.offset > 4 * payload.size() || e.size > 4 * payload.size() - e.offset) std::abort();
+      if (e.chunk_hashes.size() != (e.size == 0 ? 1 : (e.size + chunk - 1) / chunk)) std::abort();
+    }
   } catch (const ck::CheckpointError&) {
   }
   return 0;

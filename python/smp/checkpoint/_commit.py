@@ -15,6 +15,7 @@ import torch
 
 import smp._C as _C
 from smp import ranks
+from smp.checkpoint import _async, _torch_save
 from smp.checkpoint._common import CheckpointError, agree, topology
 from smp.checkpoint._crash import crash_point
 from smp.collectives import allgather
@@ -42,13 +43,14 @@ def _tmp_path(final):
 
 
 def write_sealed(obj, final, m, pickle_module, pickle_protocol):
-    """torch.save into a temporary beside `final`, sealed by C++. Returns its path."""
+    """`obj` pickled by torch and written by C++ (Note [One writer] in
+    checkpoint/writer.cpp) to a sealed, fsynced temporary beside `final`. Returns its
+    path."""
     tmp = _tmp_path(final)
     try:
-        torch.save(obj, tmp, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+        _C.checkpoint_write(tmp, _torch_save.records_of(obj, pickle_module, pickle_protocol), m)
         if m.partial:
             crash_point("after_write")
-        _C.checkpoint_seal(tmp, m)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -114,3 +116,47 @@ def _two_phases(obj, final, part, parts, who, world, missing, pickle_module, pic
     crash_point("after_rename")
     agree(err, "every part renamed", world=world)
     _C.checkpoint_drop_previous(final)
+
+
+# ---- asynchronous (Note [Asynchronous save] in _async.py) ---------------------------
+
+def write_full_async(obj, path, pickle_module, pickle_protocol, what):
+    """`path`, by this rank alone, on the writer thread; returns its future."""
+    m = manifest(False, 0, 1, random.getrandbits(63), time.time_ns())
+    save = _async.begin(what, None)
+    _async.submit(save, _torch_save.records_of(obj, pickle_module, pickle_protocol),
+                  _tmp_path(path), path, m, "this rank", False)
+    return _async.start(save)
+
+
+def write_part_async(obj, path, missing, pickle_module, pickle_protocol, what):
+    """This pp rank's part of a partial save, on the writer thread; collective over the
+    pp group (dp rank 0's) at the call and when it settles."""
+    pp_rank, pp_size, _, _, _ = topology()
+    return _one_phase(obj, f"{path}_{pp_rank}", pp_rank, pp_size, f"pp rank {pp_rank}", False,
+                      missing, pickle_module, pickle_protocol, what)
+
+
+def write_shard_async(obj, path, missing, pickle_module, pickle_protocol, what):
+    """write_shard's asynchronous form; collective over the world."""
+    pp_rank, _, dp_rank, _, world = topology()
+    rank = ranks.rank() if is_initialized() else 0
+    return _one_phase(obj, f"{path}_{pp_rank}_{dp_rank}", rank, world, f"rank {rank}", True,
+                      missing, pickle_module, pickle_protocol, what)
+
+
+def _one_phase(obj, final, part, parts, who, world, missing, pickle_module, pickle_protocol,
+               what):
+    """The group agrees on the save id and on `missing` now; each rank's writer then
+    seals and renames its part, keeping the previous generation (Note [Generations]),
+    which goes once the save settles."""
+    save_id, t_ns = (random.getrandbits(63), time.time_ns())
+    if parts > 1:
+        group = CommGroup.WORLD if world else CommGroup.PP_GROUP
+        save_id, t_ns = allgather((save_id, t_ns), group)[0]
+    agree(missing, "no part is written into a missing directory", world=world)
+    save = _async.begin(what, CommGroup.WORLD if world else CommGroup.PP_GROUP)
+    _async.submit(save, _torch_save.records_of(obj, pickle_module, pickle_protocol),
+                  _tmp_path(final), final, manifest(True, part, parts, save_id, t_ns), who, True)
+    _async.commit(save, lambda: _C.checkpoint_drop_previous(final))
+    return _async.start(save)

@@ -142,11 +142,27 @@ def _quiesce_native_threads():
         pass
 
 
+# Teardown hooks of the layers above (the asynchronous saves of smp/checkpoint: Note
+# [Asynchronous save]): fn(how), how = "shutdown" (smp.shutdown(): may raise), "exit"
+# (the interpreter exits after a clean run) or "failed" (it exits after an error).
+_teardown_hooks = []
+
+
+def register_teardown(fn):
+    _teardown_hooks.append(fn)
+
+
 def shutdown():
     """Tears down smp's groups (tests and scripts that re-initialise; at exit, smp does
     it for a script that did not, see _at_exit)."""
     if not state.initialized:
         return
+    failed = None
+    for fn in _teardown_hooks:
+        try:
+            fn("shutdown")
+        except Exception as e:  # noqa: BLE001  (raised after the teardown)
+            failed = failed or e
     if state.model is not None:
         state.model._shutdown()
     _quiesce_native_threads()
@@ -155,6 +171,8 @@ def shutdown():
     if dist.is_initialized():
         dist.destroy_process_group()
     state.__init__()
+    if failed is not None:
+        raise failed
 
 
 # Note [Clean exit]: a native thread that needs the GIL after the interpreter began to
@@ -172,6 +190,12 @@ def shutdown():
 # reducers' threads stop. After a failure the groups are left to the process's end:
 # a collective the failed rank left behind could keep the join waiting.
 def _at_exit():
+    clean = state.initialized and getattr(sys, "last_value", None) is None
+    for fn in _teardown_hooks:
+        try:
+            fn("exit" if clean else "failed")
+        except Exception:  # noqa: BLE001  (never let the exit path raise)
+            pass
     _quiesce_native_threads()
     collectives.mark_exited()
     if state.initialized and getattr(sys, "last_value", None) is None:

@@ -14,6 +14,7 @@ import torch
 from smp import auto_resume, ranks
 from smp._C import ConfigError
 from smp.checkpoint import resume_from_checkpoint
+from smp.checkpoint._async import at_step_end as settle_finished_saves
 from smp.collectives import STEP_CALL, api_call
 from smp.nested import same_sequence
 from smp.process_state import require_init, state
@@ -182,6 +183,7 @@ def step(fn=None, *, non_split_inputs=None, input_split_axes=None, detach_output
         with api_call(STEP_CALL):
             per_mb = model._run_step(fn, mb_inputs, input_error)
         auto_resume.after_step(per_mb)
+        settle_finished_saves()  # Note [Asynchronous save] in smp/checkpoint/_async.py
         return collect_outputs(per_mb, detach_outputs)
 
     wrapper.smp_step = True

@@ -14,6 +14,8 @@ each rank owns from the rank that read it. See docs/checkpoint.md.
 One concept per module:
 - `_api`: smp.save and smp.load (argument checks; full file or partial save);
 - `_commit`: writing a sealed file, and the two-phase commit of a partial save;
+- `_async`: asynchronous saves: staging, the writer thread's jobs, settling them;
+- `_torch_save`: torch's pickling into records for C++'s writer (checkpoint/writer.h);
 - `_read`: reading verified files and unpickling them, part by part;
 - `_parts`: which parts a rank reads and how parts merge;
 - `_resume`: save_checkpoint and resume_from_checkpoint (SMP 1.10);
@@ -26,6 +28,7 @@ One concept per module:
   interchange with torch.distributed.checkpoint, model and optimizer state.
 """
 from smp.checkpoint._api import load, save  # noqa: F401  (the package's names)
+from smp.checkpoint._async import SaveFuture  # noqa: F401
 from smp.checkpoint._common import CheckpointError  # noqa: F401
 from smp.checkpoint._resume import resume_from_checkpoint, save_checkpoint  # noqa: F401
 

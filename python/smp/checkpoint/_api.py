@@ -4,7 +4,7 @@ import os
 import pickle
 
 from smp import ranks
-from smp.checkpoint import _commit, _hook_state, _read, _torch_load
+from smp.checkpoint import _async, _commit, _hook_state, _read, _torch_load
 from smp.checkpoint._common import CheckpointError, check_bool, check_path, topology
 from smp.collectives import api_call
 from smp.model_state import SHARDS_KEY
@@ -24,7 +24,8 @@ def _missing_directory(fn, path):
 
 
 @api_call("smp.save()")  # Note [Naming the call] in smp/collectives.py
-def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False, **kwargs):
+def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False, *,
+         async_save=False, **kwargs):
     """Saves `obj` atomically to `f` (full) or `f"{f}_{pp_rank}"` (partial).
 
     Args:
@@ -38,6 +39,17 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
             (SMP 1.10's layout for state sharded over dp, e.g. a sharded optimizer's
             `local_state_dict(gather_if_shard=False)`); collective over the world.
             smp.load(f, partial=True) reads such shards back.
+        async_save: True: returns once the state is staged (copied into reused host
+            buffers), with an `smp.checkpoint.SaveFuture`; C++'s writer thread writes,
+            hashes, fsyncs and commits the files (Note [Asynchronous save] in
+            smp/checkpoint/_async.py). The save settles (a failure raised on every rank
+            of the save) at the next save or load, `future.wait()`, a step end, or
+            smp.shutdown(). False (SMP's): returns once the files are committed.
+
+    Every save and load first settles the asynchronous saves still pending.
+
+    Returns:
+        None, or with async_save=True the save's future.
 
     Raises:
         CheckpointError: a part could not be written (raised on every rank of the group);
@@ -49,21 +61,33 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
     check_bool("save", "v3", bool(v3) if v3 in (0, 1) else v3)
     if kwargs:
         raise ValueError(f"smp.save: unexpected arguments {sorted(kwargs)} (allowed: partial, "
-                         "pickle_module, pickle_protocol, v3)")
+                         "pickle_module, pickle_protocol, v3, async_save)")
+    _async.check_flag("save", async_save)
+    _async.settle()
     obj = _hook_state.strip(obj)
     _, _, dp_rank, _, _ = topology()
     missing = _missing_directory("save", path)
+    what = "smp.save(async_save=True)"
     if partial and v3:  # every rank writes (the world agrees on `missing` too)
+        if async_save:
+            return _commit.write_shard_async(obj, path, missing, pickle_module, pickle_protocol,
+                                             what)
         _commit.write_shard(obj, path, missing, pickle_module, pickle_protocol)
-        return
+        return None
     if missing and (not partial or dp_rank != 0):
         raise CheckpointError(missing)  # the writers below agree on it first
     if not partial:
+        if async_save:
+            return _commit.write_full_async(obj, path, pickle_module, pickle_protocol, what)
         _commit.write_full(obj, path, pickle_module, pickle_protocol)
-        return
+        return None
     if dp_rank != 0:
-        return  # dp replicas hold the same state; dp rank 0's pp group writes it
+        # dp replicas hold the same state; dp rank 0's pp group writes it
+        return _async.start(_async.begin(what, None)) if async_save else None
+    if async_save:
+        return _commit.write_part_async(obj, path, missing, pickle_module, pickle_protocol, what)
     _commit.write_part(obj, path, missing, pickle_module, pickle_protocol)
+    return None
 
 
 @api_call("smp.load()")
@@ -95,6 +119,7 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
     """
     path = check_path("load", f)
     check_bool("load", "partial", partial)
+    _async.settle()
     mmap = pickle_load_args.pop("mmap", None)
     if mmap:
         raise ValueError(f"smp.load: argument 'mmap'={mmap!r} is not "

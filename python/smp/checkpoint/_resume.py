@@ -5,10 +5,11 @@ import shutil
 
 import smp._C as _C
 from smp import auto_resume, log, optimizer_sharding
-from smp.checkpoint import _read
+from smp.checkpoint import _async, _entries, _read
 from smp.checkpoint._api import load, save
 from smp.checkpoint._common import CheckpointError, check_bool, check_path
 from smp.collectives import api_call, barrier
+from smp.groups import CommGroup
 from smp.process_state import is_initialized, state
 from smp.ranks import rank
 
@@ -23,7 +24,8 @@ def _partial_dir(path, tag):
 
 @api_call("smp.save_checkpoint()")
 def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_content=None,
-                    translate_if_full=True, num_kept_partial_checkpoints=None):
+                    translate_if_full=True, num_kept_partial_checkpoints=None, *,
+                    async_save=False):
     """Saves model, optimizer and user content under `path` (SMP 1.10).
 
     partial=True: directory `path/{tag}_partial` with `model_{pp_rank}`,
@@ -33,12 +35,16 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
     partial=False: `path/{tag}` holds the full model state dict (plain keys, loadable
     with torch.load into the unwrapped module), `path/{tag}.optimizer` and
     `path/user_content_{tag}`. Call on every rank.
+    async_save=True: returns an `smp.checkpoint.SaveFuture` once the state is staged;
+    the files are written in the background, and `newest` moves to the tag only when
+    every rank's files are committed (Note [Asynchronous save] in _async.py).
 
     Raises:
         ValueError: a bad argument. CheckpointError: a write failed (every rank).
     """
     path = check_path("save_checkpoint", path)
     check_bool("save_checkpoint", "partial", partial)
+    _async.check_flag("save_checkpoint", async_save)
     if not isinstance(tag, str) or not tag or "/" in tag or tag == _NEWEST:
         raise ValueError(f"smp.save_checkpoint: tag={tag!r} is not a non-empty name without '/' "
                          f"(and not '{_NEWEST}')")
@@ -46,10 +52,25 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
             not isinstance(num_kept_partial_checkpoints, int) or num_kept_partial_checkpoints < 1):
         raise ValueError("smp.save_checkpoint: num_kept_partial_checkpoints="
                          f"{num_kept_partial_checkpoints!r} is not None or an integer >= 1")
+    _async.settle()
     if auto_resume.skip_save(path, tag):
-        return  # a save the fast-forward replays (Note [Automatic resume])
+        return None  # a save the fast-forward replays (Note [Automatic resume])
     model = model if model is not None else state.model
     optimizer = optimizer if optimizer is not None else state.optimizer
+    if not async_save:
+        _write_checkpoint(path, tag, partial, model, optimizer, user_content, False)
+        _name_newest(path, tag, partial, num_kept_partial_checkpoints)
+        return None
+    group = CommGroup.WORLD if is_initialized() else None
+    with _async.collect("smp.save_checkpoint(async_save=True)", group) as pending:
+        _write_checkpoint(path, tag, partial, model, optimizer, user_content, True)
+        _async.commit(pending, lambda: _name_newest(path, tag, partial,
+                                                    num_kept_partial_checkpoints))
+    return _async.SaveFuture(pending)
+
+
+def _write_checkpoint(path, tag, partial, model, optimizer, user_content, async_save):
+    """save_checkpoint's files (every rank calls)."""
     if is_initialized() and rank() == 0:
         os.makedirs(path, exist_ok=True)
     if partial:
@@ -58,46 +79,59 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
             os.makedirs(d, exist_ok=True)
         barrier() if is_initialized() else None
         if model is not None:
-            save(model.local_state_dict(), os.path.join(d, "model"), partial=True)
+            save(model.local_state_dict(), os.path.join(d, "model"), partial=True,
+                 async_save=async_save)
         if optimizer is not None:
             if optimizer_sharding.of(optimizer) is not None:
                 # Note [Sharded optimizer state]: each rank writes its own share
                 # (`optimizer_{pp}_{dp}`), nothing gathered; any layout reads them.
                 save(optimizer.local_state_dict(gather_if_shard=False),
-                     os.path.join(d, "optimizer"), partial=True, v3=True)
+                     os.path.join(d, "optimizer"), partial=True, v3=True,
+                     async_save=async_save)
             else:
-                save(optimizer.local_state_dict(), os.path.join(d, "optimizer"), partial=True)
+                save(optimizer.local_state_dict(), os.path.join(d, "optimizer"), partial=True,
+                     async_save=async_save)
         save({"user_content": user_content, "tag": tag}, os.path.join(d, "user_content"),
-             partial=True)
+             partial=True, async_save=async_save)
         auto_resume.save_progress(path, tag, partial=True)
-        if is_initialized():
-            barrier()
-        if not is_initialized() or rank() == 0:
-            _C.checkpoint_write_file_atomic(os.path.join(path, _NEWEST), tag.encode())
-            if num_kept_partial_checkpoints is not None:
-                _prune(path, num_kept_partial_checkpoints)
-        if is_initialized():
-            barrier()
         return
     sd = model.state_dict(gather_to_rank0=True) if model is not None else None
     osd = optimizer.state_dict(gather_to_rank0=True) if optimizer is not None else None
     if not is_initialized() or rank() == 0:
         if sd is not None:
-            save(sd, os.path.join(path, tag), partial=False)
+            save(sd, os.path.join(path, tag), partial=False, async_save=async_save)
         if osd is not None:
-            save(osd, os.path.join(path, f"{tag}.optimizer"), partial=False)
+            save(osd, os.path.join(path, f"{tag}.optimizer"), partial=False,
+                 async_save=async_save)
         save({"user_content": user_content, "tag": tag},
-             os.path.join(path, f"user_content_{tag}"), partial=False)
+             os.path.join(path, f"user_content_{tag}"), partial=False, async_save=async_save)
     auto_resume.save_progress(path, tag, partial=False)
-    if is_initialized():
-        barrier()
-    # The job's checkpoint directory names its newest full save too, after every part
-    # is written (Note [Automatic resume]); elsewhere full saves keep SMP's layout.
-    if auto_resume.is_job_dir(path):
-        if not is_initialized() or rank() == 0:
-            _C.checkpoint_write_file_atomic(os.path.join(path, _NEWEST), tag.encode())
+
+
+def _name_newest(path, tag, partial, keep):
+    """After every rank's files are committed: `newest` names the tag (partial saves,
+    and full saves in the job's own directory: Note [Automatic resume]; elsewhere full
+    saves keep SMP's layout), then old partial directories go. Collective (barriers)."""
+    if not partial and not auto_resume.is_job_dir(path):
         if is_initialized():
             barrier()
+        return
+    if is_initialized():
+        barrier()
+    if not is_initialized() or rank() == 0:
+        _C.checkpoint_write_file_atomic(os.path.join(path, _NEWEST), tag.encode())
+        if partial and keep is not None:
+            _prune(path, keep)
+    if is_initialized():
+        barrier()
+
+
+def _model_state(base, partial, translate_function):
+    """The model's saved state, read by entry (Note [Reads by entry]: each rank reads
+    and verifies only what it keeps); through `translate_function`, read whole."""
+    if translate_function is None:
+        return _entries.load(base, partial)
+    return translate_function(load(base, partial=partial))
 
 
 def _prune(path, keep):
@@ -126,6 +160,7 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     """
     path = check_path("resume_from_checkpoint", path)
     check_bool("resume_from_checkpoint", "partial", partial)
+    _async.settle()
     if tag is None:
         newest = os.path.join(path, _NEWEST)
         if not os.path.exists(newest):
@@ -141,29 +176,25 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
                                   f"'{d}' does not exist")
         content = load(os.path.join(d, "user_content"), partial=True)
         if model is not None:
-            sd = load(os.path.join(d, "model"), partial=True)
-            if translate_function is not None:
-                sd = translate_function(sd)
-            model.load_state_dict(sd, strict=strict)
+            model.load_state_dict(_model_state(os.path.join(d, "model"), True,
+                                               translate_function), strict=strict)
         if optimizer is not None and load_optimizer:
             opt_path = os.path.join(d, "optimizer")
             # A sharded optimizer's shares (`optimizer_{pp}_{dp}`) load like parts.
             if load_sharded_optimizer_state or not _read.has_shards(opt_path):
-                optimizer.load_state_dict(load(opt_path, partial=True))
+                optimizer.load_state_dict(_entries.load(opt_path, True))
             else:
                 log.get_logger().warning(
                     "smp: resume_from_checkpoint(load_sharded_optimizer_state=False): "
                     "'%s' holds a sharded optimizer state (shares '%s_<pp>_<dp>'); "
                     "the optimizer starts fresh", d, opt_path)
         return content.get("user_content") if isinstance(content, dict) else content
-    sd = load(os.path.join(path, tag), partial=False)
-    if translate_function is not None:
-        sd = translate_function(sd)
     if model is not None:
-        model.load_state_dict(sd, strict=strict)
+        model.load_state_dict(_model_state(os.path.join(path, tag), False, translate_function),
+                              strict=strict)
     opt_path = os.path.join(path, f"{tag}.optimizer")
     if optimizer is not None and load_optimizer and os.path.exists(opt_path):
-        optimizer.load_state_dict(load(opt_path, partial=False))
+        optimizer.load_state_dict(_entries.load(opt_path, False))
     uc = os.path.join(path, f"user_content_{tag}")
     if os.path.exists(uc):
         content = load(uc, partial=False)

@@ -81,6 +81,12 @@ def exchange(have, needed, group=None):
     return got, set(holders)
 
 
+class _StateWithEntries(dict):
+    """A deferred load's state, still carrying its `smp_entries` (see load_state_dict)."""
+
+    smp_entries = None
+
+
 def gather_to_pp0(obj):
     """pp rank 0 gets [obj of pp rank 0, 1, ...]; other ranks get None. A gather, not an
     allgather: only pp rank 0 receives."""
@@ -260,12 +266,16 @@ class ModelStateMixin:
         if not isinstance(state_dict, dict):
             raise ValueError(f"smp: load_state_dict: state_dict of type "
                              f"{type(state_dict).__name__} is not a dict")
+        # A state read by entry (resume_from_checkpoint): its tensors are verified when
+        # kept (Note [Reads by entry] in checkpoint/mapped.cpp).
+        entries = getattr(state_dict, "smp_entries", None)
         sd = self._to_model_keys(dict(state_dict))
         partial = bool(sd.pop(PARTIAL_KEY, False))
         if self._owner is None and (pp_size() > 1 or self._deferred):
             # (a deferred model, smp/deferred_init.py, has no tensors to load into yet)
-            self._pending_state = (dict(sd, **{PARTIAL_KEY: partial}), strict,
-                                   same_partition_load)
+            pending = _StateWithEntries(sd, **{PARTIAL_KEY: partial})
+            pending.smp_entries = entries
+            self._pending_state = (pending, strict, same_partition_load)
             return None
         self._check_shapes(sd, partial and not same_partition_load)
         keys = self._all_state_keys()
@@ -286,11 +296,15 @@ class ModelStateMixin:
                 f"smp: load_state_dict on {self._rank_tag()}: missing keys "
                 f"{named(missing or my_missing)}, unexpected keys {named(unexpected)}")
         if self._owner is None:
+            if entries is not None:
+                entries.check([v for k, v in sd.items() if k in key_set])
             with torch.no_grad():
                 result = self.module.load_state_dict(
                     {k: v for k, v in sd.items() if k in key_set}, strict=False)
             return torch.nn.modules.module._IncompatibleKeys(
                 named(result.missing_keys), named(unexpected))
+        if entries is not None:
+            entries.check([sd[k] for k in owned if k in sd])
         with torch.no_grad():
             for k in owned:
                 if k in sd:

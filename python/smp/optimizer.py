@@ -164,7 +164,11 @@ def _load_state_dict(self, state_dict):
     names = _param_names(self)
     params = [p for g in self.param_groups for p in g["params"]]
     local = _local_ids()
-    needed = [n for n, p in zip(names, params) if local is None or id(p) in local]
+    # A sharded optimizer keeps only its share: the others' entries are not read (the
+    # division exists once the model is partitioned, before deferred loads apply).
+    shard = getattr(getattr(model, "replica", None), "shard", None)
+    needed = [n for n, p in zip(names, params)
+              if (local is None or id(p) in local) and (shard is None or shard.keeps(p))]
     state = dict(sd["state"])
     if partial or from_shards:  # a sharded optimizer's entries may be on any rank
         group = (CommGroup.WORLD
@@ -185,6 +189,12 @@ def _load_state_dict(self, state_dict):
     for j, n in enumerate(names):
         if n in needed_set and n in state:
             torch_sd["state"][j] = state[n]
+    # A state read by entry (resume_from_checkpoint): what this rank keeps is verified,
+    # then copied off the file's mapping (Note [Reads by entry] in checkpoint/mapped.cpp).
+    entries = getattr(state_dict, "smp_entries", None)
+    if entries is not None:
+        entries.check(list(torch_sd["state"].values()))
+        torch_sd["state"] = entries.take(torch_sd["state"])
     if scaler_state is not None:
         torch_sd[mixed_precision.SCALER_KEY] = scaler_state
     # Note [Master weights]: the masters and the scaler go to smp, the rest to torch.

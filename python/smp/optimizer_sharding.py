@@ -96,10 +96,16 @@ class Shard:
         for i, p in enumerate(params):  # each rank's in the reducer's order
             self.by_rank[owner[i]].append(p)
         self.mine = {id(p) for p in self.by_rank[dp_rank]}
+        self._held = {id(p) for p in params}
         self.elements = load
 
     def owns(self, p):
         return id(p) in self.mine
+
+    def keeps(self, p):
+        """Whether this rank's optimizer keeps `p`'s state: its own share, and every
+        parameter the division does not cover (restrict leaves those)."""
+        return id(p) in self.mine or id(p) not in self._held
 
     def grad_owners(self):
         """Per parameter (the reducer's order), the dp rank that keeps its reduced

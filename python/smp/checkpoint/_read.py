@@ -3,6 +3,7 @@ torch's own loader unpickles the records it read (one read of the file). A parti
 save is read part by part, each rank the parts that hold its layers, and the pp group
 agrees on the verdict."""
 import os
+import pickle
 import re
 
 import smp._C as _C
@@ -56,6 +57,15 @@ def unpickle(records, map_location, pickle_module, pickle_load_args, weights_onl
     try:
         return _torch_load.unpickle(_Records(records), map_location, pickle_module,
                                     weights_only, pickle_load_args)
+    except _torch_load.WeightsOnlyRefused as e:
+        raise _refused(path, str(e)) from None
+
+
+def unpickle_records(records, path):
+    """The object pickled in `records` (an object with torch's zip-reader methods),
+    unpickled as smp.load does by default (pickle_module=pickle)."""
+    try:
+        return _torch_load.unpickle(records, None, pickle, False, {})
     except _torch_load.WeightsOnlyRefused as e:
         raise _refused(path, str(e)) from None
 

@@ -304,11 +304,15 @@ import smp
 from smp.ddp_comm_hooks import powerSGD_hook as psgd
 
 phase, ckpt, hook_name = sys.argv[1], sys.argv[2], sys.argv[3]
-# way: the state saved as the object ("pickle") or as its state_dict() loaded into a
-# fresh state; buckets: one bucket or one per parameter; momentum: SGD's, saved with
+# way: the state saved as the object ("pickle"), as its state_dict() loaded into a
+# fresh state, or by smp.save_checkpoint ("checkpoint"); buckets: one bucket or one per parameter; momentum: SGD's, saved with
 # the optimizer's state.
 way, buckets, momentum, pp = sys.argv[4], sys.argv[5], float(sys.argv[6]), int(sys.argv[7])
-smp.init({"ddp": True, "partitions": pp, "microbatches": pp})
+# way "checkpoint": smp.save_checkpoint into the job's checkpoint directory, which the
+# second job resumes from by itself (each rank's hook state in its progress record).
+ckdir = f"{ckpt}_dir"
+smp.init({"ddp": True, "partitions": pp, "microbatches": pp,
+          **({"checkpoint_dir": ckdir} if way == "checkpoint" else {})})
 rank = smp.rank()
 torch.manual_seed(0)
 net = Net()
@@ -318,10 +322,10 @@ save_at, steps = 5, 12
 options = dict(start_powerSGD_iter=3, warm_start=hook_name == "psgd", use_error_feedback=True,
                random_seed=11, matrix_approximation_rank=2)
 hook = psgd.powerSGD_hook if hook_name == "psgd" else psgd.batched_powerSGD_hook
-if phase == "first":
+if phase == "first" or way == "checkpoint":
     state = psgd.PowerSGDState(None, **options)
     model.register_comm_hook(state, hook)
-    start = 0
+    start = 0  # the second "checkpoint" job fast-forwards to the save by itself
 else:
     # smp's hook and state load weights-only; a state_dict() holds torch's numpy
     # RandomState, as torch's does.
@@ -347,7 +351,9 @@ gen = torch.Generator().manual_seed(100 + rank)
 batches = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen))
            for _ in range(steps)]
 for step in range(start, steps):
-    if phase == "first" and step == save_at:
+    if phase == "first" and step == save_at and way == "checkpoint":
+        smp.save_checkpoint(ckdir, f"s{step}", partial=True)
+    elif phase == "first" and step == save_at:
         torch.save({"state_dict": model.state_dict(), "opt": opt.state_dict(),
                     "comm_hook": hook,
                     "comm_hook_state": state if way == "pickle" else state.state_dict()},
@@ -371,7 +377,8 @@ else:
     ("psgd", "pickle", "many", "0", 1), ("batched", "pickle", "many", "0", 1),
     ("psgd", "pickle", "one", "0.9", 1), ("batched", "state_dict", "one", "0.9", 1),
     ("psgd", "state_dict", "many", "0.9", 1), ("batched", "pickle", "one", "0.9", 2),
-    ("psgd", "state_dict", "one", "0.9", 2)])
+    ("psgd", "state_dict", "one", "0.9", 2), ("batched", "checkpoint", "many", "0", 1),
+    ("psgd", "checkpoint", "one", "0.9", 2)])
 def test_resume_from_torch_save_is_exact(ranks, tmp_path, hook, way, buckets, momentum, pp):
     # Note [Hook state carries its layout] (smp/ddp_comm_hooks/powerSGD_hook.py): a
     # state saved by hand after compression started (step 3) resumes bitwise, saved as

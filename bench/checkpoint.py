@@ -23,8 +23,12 @@ sides (same layout):
   file fsynced, renamed, the directory fsynced, and the pp group agreed on the outcome;
   wait() is collective over the pp group, every rank calls it). Against DCP's best
   async variant a user could pick: `async_blocked_ratio_vs_dcp` = smp blocked / min of
-  `dcp_async_blocked_ms` and `dcp_async_cached_blocked_ms`, `async_total_ratio_vs_dcp`
-  = smp total / min of their totals (targets <= 1.0). Same fsync on both sides.
+  `dcp_async_blocked_ms`, `dcp_async_cached_blocked_ms` (pinned staging: fails on a CUDA
+  build without a GPU, reported in `dcp_errors`) and `dcp_async_stager[bg]_blocked_ms`
+  (DCP's DefaultStager without pinned or shared memory, its buffers reused from save to
+  save; blocked until its staging completed, staged in the call or, `bg`, on DCP's
+  thread), `async_total_ratio_vs_dcp` = smp total / min of their totals (targets
+  <= 1.0). Same fsync on both sides.
 The loading sides (same layout; every load is checked against the saved values):
 - `smp_load_ms`: `smp.load(f, partial=True)` (reads the rank's part whole, verifies
   every byte, unpickles into fresh tensors); `torch_load_ms`: `torch.load`;
@@ -226,17 +230,49 @@ def worker_same(args):
         saves["dcp_async"] = async_save(
             lambda: FileSystemWriter(os.path.join(args.dir, "dcp_async")))
         saves["dcp_async_cached"] = async_save(lambda: cached)
-        # The cached staging pins its buffers: on a CUDA build of torch without a GPU
-        # that raises. Probed once, agreed by every rank, reported in the JSON line.
+        # DCP's stager (torch >= 2.8) without pinned or shared memory, the CPU user's
+        # pick: its staging buffers are reused from save to save. Blocked = until its
+        # staging completed (training may change the tensors from then on), whether
+        # that staging runs inside the call or on DCP's thread; the better of the two.
         try:
-            saves["dcp_async_cached"]()
-            err = None
-        except Exception as exc:
-            err = f"{type(exc).__name__}: {exc}"[:300]
-        errors = [e for e in smp.allgather(err) if e]
-        if errors:
-            del saves["dcp_async_cached"]
-            dcp_errors["dcp_async_cached"] = errors[0]
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:
+            DefaultStager = None
+        if DefaultStager is not None:
+            def stager_save(async_staging):
+                stager = DefaultStager(StagingOptions(
+                    use_pinned_memory=False, use_shared_memory=False,
+                    use_async_staging=async_staging, use_non_blocking_copy=False))
+                writer = os.path.join(args.dir, f"dcp_async_stager_{int(async_staging)}")
+
+                def run():
+                    t = time.perf_counter()
+                    resp = dcp.async_save(ts, storage_writer=FileSystemWriter(writer),
+                                          async_stager=stager)
+                    staged = getattr(resp, "staging_completion", None)
+                    if staged is not None:
+                        staged.result()
+                    blocked = (time.perf_counter() - t) * 1e3
+                    getattr(resp, "upload_completion", resp).result()
+                    return blocked
+                return run
+            saves["dcp_async_stager"] = stager_save(False)
+            saves["dcp_async_stagerbg"] = stager_save(True)
+        # The cached staging pins its buffers: on a CUDA build of torch without a GPU
+        # that raises. Each variant is probed once, agreed by every rank, and a failure
+        # is reported in the JSON line.
+        for variant in ("dcp_async_cached", "dcp_async_stager", "dcp_async_stagerbg"):
+            if variant not in saves:
+                continue
+            try:
+                saves[variant]()
+                err = None
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"[:300]
+            errors = [e for e in smp.allgather(err) if e]
+            if errors:
+                del saves[variant]
+                dcp_errors[variant] = errors[0]
 
         def dcp_load():
             got = {k: torch.empty_like(v) for k, v in ts.items()}
@@ -313,6 +349,13 @@ def worker_same(args):
                 blocked.append(worst["dcp_async_cached_save_blocked"])
                 async_blocked.append(worst["dcp_async_cached_save_blocked"])
                 async_total.append(worst["dcp_async_cached_save"])
+            for variant in ("dcp_async_stager", "dcp_async_stagerbg"):
+                if variant + "_save" in worst:
+                    out[variant + "_blocked_ms"] = round(worst[variant + "_save_blocked"], 1)
+                    out[variant + "_total_ms"] = round(worst[variant + "_save"], 1)
+                    blocked.append(worst[variant + "_save_blocked"])
+                    async_blocked.append(worst[variant + "_save_blocked"])
+                    async_total.append(worst[variant + "_save"])
             if dcp_errors:
                 out["dcp_errors"] = dcp_errors
             best_blocked = min(blocked)

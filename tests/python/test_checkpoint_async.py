@@ -231,3 +231,9 @@ def test_bad_arguments(tmp_path):
     fut.wait()
     assert fut.done()
     assert torch.equal(smp.load(str(tmp_path / "x"), partial=False)["a"], torch.ones(3))
+    # A missing directory: the call returns (no collective at the call), and settling
+    # raises smp.save's message on every rank of the save.
+    fut = smp.save({"a": torch.ones(3)}, str(tmp_path / "nope" / "x"), partial=True,
+                   async_save=True)
+    with pytest.raises(smp.CheckpointError, match="does not exist"):
+        fut.wait()

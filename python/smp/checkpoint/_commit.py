@@ -147,16 +147,20 @@ def write_shard_async(obj, path, missing, pickle_module, pickle_protocol, what):
 
 def _one_phase(obj, final, part, parts, who, world, missing, pickle_module, pickle_protocol,
                what):
-    """The group agrees on the save id and on `missing` now; each rank's writer then
-    seals and renames its part, keeping the previous generation (Note [Generations]),
-    which goes once the save settles."""
-    save_id, t_ns = (random.getrandbits(63), time.time_ns())
-    if parts > 1:
-        group = CommGroup.WORLD if world else CommGroup.PP_GROUP
-        save_id, t_ns = allgather((save_id, t_ns), group)[0]
-    agree(missing, "no part is written into a missing directory", world=world)
-    save = _async.begin(what, CommGroup.WORLD if world else CommGroup.PP_GROUP)
-    _async.submit(save, _torch_save.records_of(obj, pickle_module, pickle_protocol),
-                  _tmp_path(final), final, manifest(True, part, parts, save_id, t_ns), who, True)
-    _async.commit(save, lambda: _C.checkpoint_drop_previous(final))
+    """Each rank's writer seals and renames its part, keeping the previous generation
+    (Note [Generations]), which goes once the save settles. No collective at the call
+    (after the group's first asynchronous save, which agrees on the base of its save
+    ids): a missing directory is this rank's error, agreed when the save settles, as a
+    writer's failure is."""
+    group = CommGroup.WORLD if world else CommGroup.PP_GROUP
+    save_id = _async.save_id(group, lambda mine: allgather(mine, group)[0] if parts > 1
+                             else mine)
+    save = _async.begin(what, group)
+    if missing is not None:
+        save.refused = missing
+    else:
+        _async.submit(save, _torch_save.records_of(obj, pickle_module, pickle_protocol),
+                      _tmp_path(final), final,
+                      manifest(True, part, parts, save_id, time.time_ns()), who, True)
+        _async.commit(save, lambda: _C.checkpoint_drop_previous(final))
     return _async.start(save)

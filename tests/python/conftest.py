@@ -107,6 +107,14 @@ def assert_all_ok(results):
     assert not bad, "\n".join(map(repr, bad))
 
 
+def run_with_options(script, world, tmp_path, opts, timeout=150, **kw):
+    """run_ranks with `opts` as the script's JSON argv[1]; asserts every rank passed."""
+    import json
+    res = run_ranks(script, world, tmp_path, args=(json.dumps(opts),), timeout=timeout, **kw)
+    assert_all_ok(res)
+    return res
+
+
 @pytest.fixture
 def ranks(tmp_path):
     """`ranks(script, world, **kw)` runs a multi-rank script and asserts every rank passed."""

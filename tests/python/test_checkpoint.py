@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import smp
-from conftest import PYTHON, run_ranks
+from conftest import PYTHON, run_ranks, run_with_options
 
 COMMON = r"""
 import json, os, sys, copy
@@ -140,10 +140,7 @@ print("RESUMED", flush=True)
 
 
 def _run(script, world, tmp_path, opts, **kw):
-    res = run_ranks(script, world, tmp_path, args=(json.dumps(opts),), timeout=150, **kw)
-    bad = [r for r in res if r.returncode != 0]
-    assert not bad, "\n".join(map(repr, bad))
-    return res
+    return run_with_options(script, world, tmp_path, opts, **kw)
 
 
 def test_resume_exact_and_reshard_adam(tmp_path):

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import run_ranks
+from conftest import run_ranks, run_with_options
 
 COMMON = r"""
 import json, os, sys, time
@@ -119,10 +119,7 @@ print("AT_CALL", flush=True)
 
 
 def _run(script, world, tmp_path, opts, **kw):
-    res = run_ranks(script, world, tmp_path, args=(json.dumps(opts),), timeout=150, **kw)
-    bad = [r for r in res if r.returncode != 0]
-    assert not bad, "\n".join(map(repr, bad))
-    return res
+    return run_with_options(script, world, tmp_path, opts, **kw)
 
 
 def test_async_save_holds_the_state_at_the_call_and_resumes_bitwise(tmp_path):

@@ -33,7 +33,7 @@ import torch
 
 import smp._C as _C
 from smp import agreement, runtime
-from smp.checkpoint._common import CheckpointError, check_bool
+from smp.checkpoint._common import CheckpointError, check_bool, naming_verdict
 from smp.process_state import is_initialized, state
 
 __all__ = []
@@ -200,12 +200,7 @@ def _abandon(save):
     _pool.give(save.buffers)
 
 
-def _verdict(failures, size):
-    _, _, msg = failures[0]
-    same = [r for r, _, text in failures if text == msg]
-    if len(same) < size:
-        msg = f"{msg} (rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))} of the save)"
-    return CheckpointError(msg)
+_verdict = naming_verdict("rank", " of the save")
 
 
 def _settle_one(save, block):

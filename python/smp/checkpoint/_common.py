@@ -32,6 +32,19 @@ def topology():
     return 0, 1, 0, 1, 1
 
 
+def naming_verdict(label, where=""):
+    """agreement.agree's verdict for checkpoint errors: the first failing rank's text,
+    plus the ranks that hit it ("(pp ranks 0, 1<where>)") when not all of them did."""
+    def verdict(failures, size):
+        _, _, msg = failures[0]
+        same = [r for r, _, text in failures if text == msg]
+        if len(same) < size:
+            msg = (f"{msg} ({label}{'s' if len(same) > 1 else ''} "
+                   f"{', '.join(map(str, same))}{where})")
+        return CheckpointError(msg)
+    return verdict
+
+
 def agree(error, what, world=False):
     """Raises on every member of the pp group (`world`: of the world) the first
     member's `error` (a str, or None).
@@ -40,14 +53,7 @@ def agree(error, what, world=False):
     message is the error itself, plus which ranks hit it when not all of them did
     (the same text on every rank).
     """
-    label = "rank" if world else "pp rank"
-
-    def verdict(failures, size):
-        _, _, msg = failures[0]
-        same = [r for r, _, text in failures if text == msg]
-        if len(same) < size:
-            msg = f"{msg} ({label}{'s' if len(same) > 1 else ''} {', '.join(map(str, same))})"
-        return CheckpointError(msg)
+    verdict = naming_verdict("rank" if world else "pp rank")
     if world and not is_initialized():
         if error is not None:
             raise CheckpointError(error)

@@ -10,20 +10,15 @@
 #include <string>
 
 #include "checkpoint/checkpoint.h"
+#include "tests/cpp/checkpoint/temp_dir_test.h"
 
 namespace fs = std::filesystem;
 using namespace smp::checkpoint;
 
 namespace {
 
-class CheckpointTest : public ::testing::Test {
+class CheckpointTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("smp_ckpt_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
 
   // A zip as torch.save writes it: records "data.pkl" and "data/0" (1000 bytes).
   std::string write_zip(const std::string& name, char fill = 7) {
@@ -61,16 +56,7 @@ class CheckpointTest : public ::testing::Test {
     f.put(static_cast<char>(c ^ 0x10));
   }
 
-  static std::string error_of(const std::function<void()>& fn) {
-    try {
-      fn();
-    } catch (const CheckpointError& e) {
-      return e.what();
-    }
-    return "";
-  }
 
-  fs::path dir_;
 };
 
 TEST_F(CheckpointTest, SealedFileVerifiesAndTorchStillReadsIt) {

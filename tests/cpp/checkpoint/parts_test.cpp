@@ -11,20 +11,15 @@
 #include <string>
 
 #include "checkpoint/parts.h"
+#include "tests/cpp/checkpoint/temp_dir_test.h"
 
 namespace fs = std::filesystem;
 using namespace smp::checkpoint;
 
 namespace {
 
-class PartsTest : public ::testing::Test {
+class PartsTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("smp_parts_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
 
   // A sealed torch-format zip holding 1000 bytes of `fill`, as smp.save leaves it.
   std::string sealed(const std::string& name, uint64_t id, int part, int parts, char fill = 7) {
@@ -48,16 +43,7 @@ class PartsTest : public ::testing::Test {
     return path;
   }
 
-  static std::string error_of(const std::function<void()>& fn) {
-    try {
-      fn();
-    } catch (const CheckpointError& e) {
-      return e.what();
-    }
-    return "";
-  }
 
-  fs::path dir_;
 };
 
 TEST_F(PartsTest, AnyOrderInPartOrderOut) {

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "checkpoint/checkpoint.h"
+#include "tests/cpp/checkpoint/temp_dir_test.h"
 #include "checkpoint/entries.h"
 #include "checkpoint/mapped.h"
 #include "checkpoint/writer.h"
@@ -24,14 +25,8 @@ using namespace smp::checkpoint;
 
 namespace {
 
-class WriterTest : public ::testing::Test {
+class WriterTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("smp_writer_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
 
   static Blob blob(const std::string& name, int64_t n, int seed) {
     at::Tensor t = at::arange(n, at::kLong).mul(seed).remainder(251).to(at::kByte);
@@ -44,18 +39,8 @@ class WriterTest : public ::testing::Test {
             blob("data/1", static_cast<int64_t>(kEntryChunk) + 4096, 7)};
   }
 
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
-  static std::string error_of(const std::function<void()>& fn) {
-    try {
-      fn();
-    } catch (const CheckpointError& e) {
-      return e.what();
-    }
-    return "";
-  }
 
-  fs::path dir_;
 };
 
 TEST_F(WriterTest, WrittenFileReadsWholeByTorchAndByEntry) {

@@ -67,6 +67,10 @@ test-cpp: build
 test-python: build
 	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python SMP_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
 	  $(PYTHON) -m pytest -q -ra tests/python
+	@# Jobs across hosts made of network namespaces (docs/hosts.md): root only, else a
+	@# one-line skip.
+	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python SMP_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
+	  $(PYTHON) -m pytest -q -ra tests/hosts
 	@# The GPU suite (docs/gpu.md) on its own: it skips cleanly where torch sees no GPU.
 	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python SMP_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
 	  $(PYTHON) -m pytest -q -ra tests/gpu

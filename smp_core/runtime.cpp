@@ -17,6 +17,7 @@
 #include "smp_common/env.h"
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/errors.h"
+#include "smp_core/net_interface.h"
 
 namespace smp {
 namespace {
@@ -231,13 +232,17 @@ Runtime& init(const std::string& config_json) {
   const bool loopback = env.world_size == 1 || env.master_addr == "localhost" ||
                         env.master_addr.rfind("127.", 0) == 0;
   const std::string host = loopback ? "127.0.0.1" : "";
+  // Note [Gloo's interface] (net_interface.cpp): where the host name resolves to none of
+  // this host's addresses, the interface that routes to the master.
+  const std::string iface = loopback ? "" : choose_gloo_interface(env.master_addr).name;
   auto make = [&](const std::string& name, const std::vector<int>& members) -> ProcessGroupPtr {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("smp/pg/" + name, store);
     int my = -1;
     for (size_t i = 0; i < members.size(); ++i)
       if (members[i] == env.rank) my = static_cast<int>(i);
     if (my < 0) return {};
-    return compat::make_gloo_group(prefixed, my, static_cast<int>(members.size()), timeout, host);
+    return compat::make_gloo_group(prefixed, my, static_cast<int>(members.size()), timeout, host,
+                                   iface);
   };
   Groups groups;
   std::vector<int> all(env.world_size);

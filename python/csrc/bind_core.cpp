@@ -11,6 +11,7 @@
 #include "smp_core/call_agreement.h"
 #include "smp_core/comm.h"
 #include "smp_core/config.h"
+#include "smp_core/net_interface.h"
 #include "smp_core/device_sync.h"
 #include "smp_core/errors.h"
 #include "smp_core/runtime.h"
@@ -90,6 +91,16 @@ void bind_core(py::module_& m) {
     d["cuda_paths"] = info.cuda_paths;
     return d;
   }, "What this build compiled: the torch it compiled against and its CUDA/NCCL paths.");
+  m.def("choose_gloo_interface", [](const std::string& master_addr) {
+    InterfaceChoice c;
+    {
+      py::gil_scoped_release nogil;
+      c = choose_gloo_interface(master_addr);
+    }
+    return py::make_tuple(c.name, c.why);
+  }, py::arg("master_addr"),
+        "(interface, why): the interface Gloo should bind, '' for its default "
+        "(Note [Gloo's interface] in smp_core/net_interface.cpp).");
   m.def("config_keys", &config_keys);
   m.def("describe_config_disagreement", &describe_config_disagreement);
   m.def("config_from_environment", &config_from_environment);

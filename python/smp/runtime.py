@@ -111,6 +111,8 @@ def init(config=None):
             "store can join them. smprun sets one per job; under torchrun or srun export "
             "SMP_JOB_SECRET=$(openssl rand -hex 32) on every node (docs/security.md).")
     cfg = json.loads(cfg_json)
+    if world > 1:
+        _choose_interface(local_rank)
     topo = _C.Topology(world, cfg["partitions"], cfg["placement_strategy"])
     with event_driven_group_barrier():
         if not dist.is_initialized():
@@ -129,6 +131,19 @@ def init(config=None):
     auto_resume.arm()  # Note [Automatic resume]: a checkpoint to continue from, if any
     timeline.start(rank)
     atexit.register(timeline.close)
+
+
+def _choose_interface(local_rank):
+    """Note [Gloo's interface] (smp_core/net_interface.cpp): where this host's name
+    resolves to none of its addresses, Gloo would bind loopback and a job across hosts
+    could not connect; the interface that routes to the master is used instead, and said
+    once a host (by its local rank 0). A user's GLOO_SOCKET_IFNAME always wins."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    name, why = _C.choose_gloo_interface(master)
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        if local_rank == 0:
+            log.get_logger().info("smp: Gloo binds %s: %s", name, why)
 
 
 def _quiesce_native_threads():

@@ -6,12 +6,13 @@ namespace smp::compat {
 
 ProcessGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
                                 std::chrono::milliseconds timeout,
-                                const std::string& hostname) {
+                                const std::string& hostname, const std::string& interface) {
   auto opts = ::c10d::ProcessGroupGloo::Options::create();
   opts->timeout = timeout;
-  opts->devices.push_back(hostname.empty()
-                              ? ::c10d::ProcessGroupGloo::createDefaultDevice()
-                              : ::c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+  opts->devices.push_back(
+      !interface.empty() ? ::c10d::ProcessGroupGloo::createDeviceForInterface(interface)
+      : hostname.empty() ? ::c10d::ProcessGroupGloo::createDefaultDevice()
+                         : ::c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
 #if SMP_TORCH_AT_LEAST(2, 0)
   auto backend = c10::make_intrusive<::c10d::ProcessGroupGloo>(store, rank, size, opts);
   auto pg = c10::make_intrusive<::c10d::ProcessGroup>(store, rank, size);

@@ -29,12 +29,13 @@ using WorkPtr = c10::intrusive_ptr<Work>;
 using ProcessGroupPtr = c10::intrusive_ptr<::c10d::ProcessGroup>;
 using StorePtr = c10::intrusive_ptr<::c10d::Store>;
 
-// Creates a Gloo process group over `store` bound to `hostname`'s interface (empty:
-// the default interface).
+// Creates a Gloo process group over `store` bound to `interface` (a name such as eth0)
+// when given, else `hostname`'s interface (empty: the default interface).
 // Torch 2.x wraps backends in a ProcessGroup; 1.13's ProcessGroupGloo *is* one.
 ProcessGroupPtr make_gloo_group(const StorePtr& store, int rank, int size,
                                 std::chrono::milliseconds timeout,
-                                const std::string& hostname);
+                                const std::string& hostname,
+                                const std::string& interface = "");
 
 // The node that accumulates a leaf tensor's gradient, as grad_accumulator() returns it:
 // std::shared_ptr<Node> in torch 1.13, c10::intrusive_ptr<Node> in torch 2.x (seen on

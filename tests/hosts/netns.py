@@ -1,0 +1,187 @@
+"""Several hosts on one machine: network namespaces joined by a bridge (issue 42).
+
+Each host is a network namespace with its own interface `eth0` (address 10.77.0.<i+1>/24,
+a veth pair to a bridge in a switch namespace) and loopback; commands run in it under
+their own UTS namespace, so they see the host name `host<i>`, which resolves to nothing
+(as in containers). As far as the kernel's network stack is concerned these are separate
+hosts: traffic between them crosses the veth pairs and the bridge, where it can be
+shaped (`tc netem`: delay, rate, loss) and cut.
+
+    with Hosts(2) as hosts:           # skips nothing: raises Unavailable with the reason
+        p = hosts.popen(0, ["smprun", ...], env=...)
+        hosts.shape(1, delay_ms=20)   # both directions of host 1's link
+        hosts.cut(1); hosts.restore(1)
+
+Everything is removed on exit, on an exception and on SIGINT/SIGTERM (the namespaces,
+and with them the links; the processes started in them are killed first).
+
+As a script, for a user:  python tests/hosts/netns.py N -- COMMAND...  runs COMMAND in
+each of N hosts with HOST_INDEX, HOST_ADDR, MASTER_ADDR (host 0's address) and
+GLOO_SOCKET_IFNAME=eth0 set, and waits for all of them.
+"""
+import atexit
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+__all__ = ["Hosts", "Unavailable"]
+
+SUBNET = "10.77.0"
+
+
+class Unavailable(RuntimeError):
+    """Namespaces cannot be made here (not root, no iproute2, a restricted container)."""
+
+
+def _ip(*args, check=True):
+    out = subprocess.run(["ip", *map(str, args)], capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(map(str, args))}: {out.stderr.strip()}")
+    return out
+
+
+def available():
+    """(True, "") where namespaces can be made, else (False, the one-line reason)."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root (this process is not)"
+    probe = f"smpprobe{os.getpid()}"
+    try:
+        out = _ip("netns", "add", probe, check=False)
+    except FileNotFoundError:
+        return False, "iproute2's `ip` is not installed"
+    if out.returncode != 0:
+        return False, f"cannot make a network namespace: {out.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return True, ""
+
+
+class Hosts:
+    def __init__(self, n):
+        ok, why = available()
+        if not ok:
+            raise Unavailable(why)
+        self.n = n
+        tag = f"smp{os.getpid() % 100000}"
+        self.switch = f"{tag}sw"
+        self.names = [f"{tag}h{i}" for i in range(n)]
+        self.procs = []
+        self._up = False
+
+    # --- the network ------------------------------------------------------------------
+    def addr(self, i):
+        return f"{SUBNET}.{i + 1}"
+
+    def _port(self, i):  # the switch's end of host i's link (names <= 15 characters)
+        return f"s{os.getpid() % 100000}p{i}"
+
+    def up(self):
+        self._up = True
+        atexit.register(self.down)
+        self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.names):
+            _ip("netns", "add", ns)
+            host_end, sw_end = f"h{os.getpid() % 100000}p{i}", self._port(i)
+            _ip("link", "add", host_end, "type", "veth", "peer", "name", sw_end)
+            _ip("link", "set", host_end, "netns", ns)
+            _ip("link", "set", sw_end, "netns", self.switch)
+            _ip("-n", ns, "link", "set", host_end, "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", self.switch, "link", "set", sw_end, "master", "br0")
+            _ip("-n", self.switch, "link", "set", sw_end, "up")
+        return self
+
+    def shape(self, i, delay_ms=None, rate_mbit=None, loss_pct=None):
+        """netem on both ends of host i's link (each direction gets the delay)."""
+        spec = []
+        if delay_ms:
+            spec += ["delay", f"{delay_ms}ms"]
+        if rate_mbit:
+            spec += ["rate", f"{rate_mbit}mbit"]
+        if loss_pct:
+            spec += ["loss", f"{loss_pct}%"]
+        for ns, dev in ((self.names[i], "eth0"), (self.switch, self._port(i))):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev,
+                            "root", "netem", *spec], check=True, capture_output=True)
+
+    def cut(self, i):
+        _ip("-n", self.switch, "link", "set", self._port(i), "down")
+
+    def restore(self, i):
+        _ip("-n", self.switch, "link", "set", self._port(i), "up")
+
+    # --- processes --------------------------------------------------------------------
+    def command(self, i, argv):
+        """`argv` run in host i: its network namespace, its own host name."""
+        inner = f"hostname host{i} && exec {' '.join(shlex.quote(str(a)) for a in argv)}"
+        return ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "sh", "-c", inner]
+
+    def popen(self, i, argv, **kw):
+        p = subprocess.Popen(self.command(i, argv), start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def kill(self, i=None):
+        """SIGKILLs what was started in host i (every host by default)."""
+        for p in self.procs:
+            if p.poll() is None and (i is None or p.args[3] == self.names[i]):
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    # --- teardown ---------------------------------------------------------------------
+    def down(self):
+        if not self._up:
+            return
+        self._up = False
+        self.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in self.names + [self.switch]:
+            _ip("netns", "del", ns, check=False)
+        for s, h in getattr(self, "_old", {}).items():
+            signal.signal(s, h)
+
+    def _on_signal(self, signum, frame):
+        self.down()
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+    def __enter__(self):
+        return self.up()
+
+    def __exit__(self, *exc):
+        self.down()
+        return False
+
+
+def main(argv):
+    if len(argv) < 3 or argv[1] != "--":
+        print(__doc__.split("As a script")[1].strip(), file=sys.stderr)
+        return 2
+    n, cmd = int(argv[0]), argv[2:]
+    try:
+        hosts = Hosts(n)
+    except Unavailable as e:
+        print(f"netns.py: {e}", file=sys.stderr)
+        return 2
+    with hosts:
+        procs = []
+        for i in range(n):
+            env = dict(os.environ, HOST_INDEX=str(i), HOST_ADDR=hosts.addr(i),
+                       MASTER_ADDR=hosts.addr(0), GLOO_SOCKET_IFNAME="eth0")
+            procs.append(hosts.popen(i, cmd, env=env))
+        return max(p.wait() for p in procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

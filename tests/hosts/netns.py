@@ -98,17 +98,27 @@ class Hosts:
         return self
 
     def shape(self, i, delay_ms=None, rate_mbit=None, loss_pct=None):
-        """netem on both ends of host i's link (each direction gets the delay)."""
-        spec = []
-        if delay_ms:
-            spec += ["delay", f"{delay_ms}ms"]
-        if rate_mbit:
-            spec += ["rate", f"{rate_mbit}mbit"]
-        if loss_pct:
-            spec += ["loss", f"{loss_pct}%"]
+        """Shapes both ends of host i's link: a rate with `tbf`, delay and loss with
+        `netem` (each direction gets the delay). Raises Unavailable where this kernel has
+        no netem (sch_netem), naming it."""
+        if delay_ms or loss_pct:
+            spec = (["delay", f"{delay_ms}ms"] if delay_ms else []) + \
+                (["loss", f"{loss_pct}%"] if loss_pct else [])
+            if rate_mbit:
+                spec += ["rate", f"{rate_mbit}mbit"]
+        elif rate_mbit:
+            spec = None
+        else:
+            return
         for ns, dev in ((self.names[i], "eth0"), (self.switch, self._port(i))):
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev,
-                            "root", "netem", *spec], check=True, capture_output=True)
+            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root"]
+            cmd += ["netem", *spec] if spec else \
+                ["tbf", "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "400ms"]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                kind = "netem" if spec else "tbf"
+                raise Unavailable(f"tc {kind} is not available here ({out.stderr.strip()}): "
+                                  f"links cannot be shaped with {kind}")
 
     def cut(self, i):
         _ip("-n", self.switch, "link", "set", self._port(i), "down")

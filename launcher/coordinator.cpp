@@ -16,6 +16,7 @@ using nlohmann::json;
 
 struct Peer {
   int node = 0;
+  std::string host;  // the host name its launcher gave (for messages)
   std::unique_ptr<Channel> channel;
   bool done = false;     // this attempt: all its ranks exited 0
   bool stopped = false;  // this attempt: its ranks are gone after a stop
@@ -111,8 +112,9 @@ int Coordinator::rendezvous() {
         if (!problem.empty()) return abort_all(problem, kExitBadInput);
         Peer peer;
         peer.node = m["node"].get<int>();
+        peer.host = m.value("host", std::string());
         c.set_peer("node " + std::to_string(peer.node) + " (" + c.peer() + ")");
-        c.send({{"t", "welcome"}});
+        c.send({{"t", "welcome"}, {"host", this_host()}});
         peer.channel = std::move(accepted_[i]);
         accepted_.erase(accepted_.begin() + static_cast<long>(i));
         peers_.push_back(std::move(peer));
@@ -174,12 +176,14 @@ std::optional<Failure> Coordinator::run_attempt() {
           }
         } catch (const json::exception& e) {
           fatal_ = true;
-          return Failure::node_lost(p.node, std::string("malformed message: ") + e.what());
+          return Failure::node_lost(p.node, std::string("malformed message: ") + e.what(),
+                                    Failure::node_place(p.host, p.node, options_.nproc_per_node));
         }
       }
       if (p.channel->lost()) {
         fatal_ = true;
-        return Failure::node_lost(p.node, p.channel->lost_reason());
+        return Failure::node_lost(p.node, p.channel->lost_reason(),
+                                  Failure::node_place(p.host, p.node, options_.nproc_per_node));
       }
     }
     bool all_done = group_.succeeded();

@@ -32,12 +32,20 @@ Failure Failure::rank_exit(int node, int rank, int local_rank, int wait_status,
   return f;
 }
 
-Failure Failure::node_lost(int node, std::string detail) {
+Failure Failure::node_lost(int node, std::string detail, std::string where) {
   Failure f;
   f.kind = FailureKind::kNodeLost;
   f.node = node;
   f.detail = std::move(detail);
+  f.where = std::move(where);
   return f;
+}
+
+std::string Failure::node_place(const std::string& host, int node, int nproc) {
+  const int first = node * nproc, last = first + nproc - 1;
+  std::string ranks = first == last ? "rank " + std::to_string(first)
+                                    : "ranks " + std::to_string(first) + "-" + std::to_string(last);
+  return host.empty() ? ranks : "host '" + host + "', " + ranks;
 }
 
 Failure Failure::launcher_signal(int node, int sig) {
@@ -62,7 +70,8 @@ std::string Failure::describe() const {
       return who + " exited with code " + std::to_string(exit_code);
     }
     case FailureKind::kNodeLost:
-      return "the launcher of node " + std::to_string(node) + " was lost (" + detail + ")";
+      return "the launcher of node " + std::to_string(node) + " was lost (" + detail + ")" +
+             (where.empty() ? "" : ": " + where);
     case FailureKind::kLauncherSignal:
       return "the launcher of node " + std::to_string(node) + " received " + signal_name(signal);
   }
@@ -93,7 +102,7 @@ std::vector<std::string> Failure::report_lines() const {
 nlohmann::json Failure::to_json() const {
   return {{"kind", static_cast<int>(kind)}, {"node", node},         {"rank", rank},
           {"local_rank", local_rank},       {"exit_code", exit_code}, {"signal", signal},
-          {"detail", detail},               {"tail", tail}};
+          {"detail", detail},               {"tail", tail},         {"where", where}};
 }
 
 Failure Failure::from_json(const nlohmann::json& j) {
@@ -109,6 +118,7 @@ Failure Failure::from_json(const nlohmann::json& j) {
   f.signal = j.at("signal").get<int>();
   f.detail = j.at("detail").get<std::string>();
   f.tail = j.at("tail").get<std::vector<std::string>>();
+  f.where = j.value("where", std::string());
   return f;
 }
 

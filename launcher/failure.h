@@ -30,12 +30,17 @@ struct Failure {
   int signal = 0;
   // kNodeLost: why the node counts as lost ("connection closed", "no heartbeat for 5 s").
   std::string detail;
+  // kNodeLost: which host and ranks that node had ("host 'h1', ranks 2-3"; empty when
+  // not known).
+  std::string where;
   // kRankExit: the last lines of the rank's output (unprefixed).
   std::vector<std::string> tail;
 
   static Failure rank_exit(int node, int rank, int local_rank, int wait_status,
                            std::vector<std::string> tail);
-  static Failure node_lost(int node, std::string detail);
+  static Failure node_lost(int node, std::string detail, std::string where = "");
+  // "host 'NAME', ranks A-B" for node `node` of a job of `nproc` ranks a node.
+  static std::string node_place(const std::string& host, int node, int nproc);
   static Failure launcher_signal(int node, int sig);
 
   // Only rank failures are restarted by --max_restarts; a lost node or a signal ends the job.

@@ -25,6 +25,12 @@ Session::Session(const LaunchOptions& options, const EnvMap& env, int master_por
           options.secret.empty() ? auth::to_hex(auth::random_bytes(auth::kKeyBytes)) : options.secret,
           "the job secret")) {}
 
+std::string Session::this_host() {
+  char name[256] = {0};
+  if (::gethostname(name, sizeof name - 1) != 0) return "";
+  return name;
+}
+
 void Session::say(const std::string& text) { write_all(STDERR_FILENO, "smprun: " + text + "\n"); }
 
 void Session::report(const Failure& failure) {

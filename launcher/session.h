@@ -43,6 +43,8 @@ class Session {
 
   // "smprun: <text>" on stderr, one write.
   static void say(const std::string& text);
+  // This machine's host name (for the other launchers' messages about this node).
+  static std::string this_host();
   // The report of the failure that stopped the job (what failed first, its output tail).
   static void report(const Failure& failure);
   // The final line: how the job ended and how many restarts it used.

@@ -38,6 +38,7 @@ class Worker : public Session {
   std::string coordinator() const { return host_port(options_.master_addr, master_port_ + 1); }
 
   std::unique_ptr<Channel> channel_;
+  std::string coordinator_host_;  // node 0's host name, from its welcome
 };
 
 int Worker::join() {
@@ -87,7 +88,8 @@ int Worker::join() {
                   {"job", options_.job_id},
                   {"nnodes", options_.nnodes},
                   {"nproc", options_.nproc_per_node},
-                  {"node", options_.node_rank}});
+                  {"node", options_.node_rank},
+                  {"host", this_host()}});
   for (;;) {
     pump(0.5);
     if (int sig = take_signal()) {
@@ -97,7 +99,10 @@ int Worker::join() {
     while (channel_->has_message()) {
       json m = channel_->pop();
       std::string t = m.value("t", "");
-      if (t == "welcome") return -1;
+      if (t == "welcome") {
+        coordinator_host_ = m.value("host", std::string());
+        return -1;
+      }
       if (t == "abort") {
         say("error: " + m.value("msg", std::string("node 0 aborted the job")));
         return m.value("code", kExitFailure);
@@ -161,12 +166,13 @@ int Worker::run_attempt() {
     }
     if (channel_->lost()) {
       group_.stop(SIGTERM);
+      const std::string place = Failure::node_place(coordinator_host_, 0, options_.nproc_per_node);
       say("error: lost the coordinator (node 0) at " + coordinator() + " (" +
-          channel_->lost_reason() + "); stopping the ranks of node " +
+          channel_->lost_reason() + "): " + place + "; stopping the ranks of node " +
           std::to_string(options_.node_rank));
       if (group_.first_failure()) report(*group_.first_failure());
       wait_idle();
-      Failure f = Failure::node_lost(0, channel_->lost_reason());
+      Failure f = Failure::node_lost(0, channel_->lost_reason(), place);
       say(summary(&f));
       return exit_signal_ != 0 ? 128 + exit_signal_ : kExitFailure;
     }

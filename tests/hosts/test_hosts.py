@@ -3,7 +3,9 @@ smprun per host, each with its own host name (resolving to nothing) and address.
 
 - 2 hosts x 2 ranks, pp=2 x dp=2, with each replica's stages inside a host
   ("cluster": the dp groups span the hosts) and across them ("spread"): every rank's
-  weights equal the same model trained in one process.
+  weights equal the same model trained in one process;
+- a host killed, and a host's link cut, during training: every launcher exits, naming
+  the lost node's host and ranks (detection times printed, not asserted).
 
 Skipped, with the reason, where namespaces cannot be made (not root).
 """
@@ -12,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -119,3 +122,62 @@ def test_pp2_dp2_over_two_hosts_equals_one_process(tmp_path, placement, pp_insid
         else:
             assert len(said) == 1 and "Gloo binds eth0" in said[0] and \
                 "routes to the master 10.77.0.1" in said[0], out
+
+
+LOOP = r"""
+import time, torch, smp
+smp.init({"partitions": 2, "microbatches": 2, "ddp": True})
+model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
+
+@smp.step
+def step(x):
+    loss = model(x).sum()
+    model.backward(loss)
+    return loss
+
+for i in range(100000):
+    step(torch.randn(4, 8))
+    if i == 3:
+        print("TRAINING", flush=True)
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut"])
+def test_lost_host_is_named_by_every_launcher(tmp_path, fault):
+    path = tmp_path / "loop.py"
+    path.write_text(LOOP)
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32))
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"), OMP_NUM_THREADS="1",
+               SMP_PYTHON=sys.executable)
+    with netns.Hosts(2) as hosts:
+        procs = [hosts.popen(i, [os.path.join(BUILD, "bin", "smprun"), "--nnodes", 2,
+                                 "--node_rank", i, "--nproc_per_node", 2,
+                                 "--master_addr", hosts.addr(0), "--master_port", 29500,
+                                 "--secret_file", secret, path],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for i in range(2)]
+        # Both hosts train before the fault.
+        deadline = time.monotonic() + 60
+        seen = ""
+        while "TRAINING" not in seen and time.monotonic() < deadline:
+            line = procs[0].stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "TRAINING" in seen, seen
+        t0 = time.monotonic()
+        if fault == "killed":
+            hosts.kill(1)
+        else:
+            hosts.cut(1)
+        watch = [0] if fault == "killed" else [0, 1]
+        for i in watch:
+            rc = procs[i].wait(timeout=60)
+            out = procs[i].stdout.read()
+            took = time.monotonic() - t0
+            print(f"{fault}: host{i}'s launcher exited {rc} after {took:.1f} s")
+            assert rc == 1, out
+            lost = "host 'host1', ranks 2-3" if i == 0 else "host 'host0', ranks 0-1"
+            assert lost in out, out

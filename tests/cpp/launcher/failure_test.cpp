@@ -38,6 +38,12 @@ TEST(Failure, NodeLostAndLauncherSignal) {
   EXPECT_EQ(lost.describe(), "the launcher of node 1 was lost (connection closed)");
   EXPECT_FALSE(lost.restartable());
   EXPECT_EQ(lost.job_exit_code(), 1);
+  // With the node's place: its host name and ranks, carried through the control channel.
+  Failure placed = Failure::node_lost(1, "no heartbeat for 5 s", Failure::node_place("h1", 1, 2));
+  EXPECT_EQ(placed.describe(),
+            "the launcher of node 1 was lost (no heartbeat for 5 s): host 'h1', ranks 2-3");
+  EXPECT_EQ(Failure::from_json(placed.to_json()).describe(), placed.describe());
+  EXPECT_EQ(Failure::node_place("", 3, 1), "rank 3");
   Failure sig = Failure::launcher_signal(0, SIGTERM);
   EXPECT_EQ(sig.describe(), "the launcher of node 0 received SIGTERM");
   EXPECT_FALSE(sig.restartable());

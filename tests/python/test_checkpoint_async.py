@@ -13,7 +13,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -153,21 +152,16 @@ time.sleep(30)
 
 
 def _load_whole(d):
-    out = subprocess.run(
-        [sys.executable, "-c",
-         "import sys\n"
-         "from smp.checkpoint import merge_partial\n"
-         "m = merge_partial(sys.argv[1])\n"
-         "print(m['tag'], sorted(set(m['w0'].tolist())), sorted(set(m['w1'].tolist())))\n", os.path.join(d, "ck")],
-        capture_output=True, text=True, timeout=60, env=dict(os.environ))
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+    """What the name holds now, read as a user would (the newest whole save; no job)."""
+    from smp.checkpoint import merge_partial
+    m = merge_partial(os.path.join(d, "ck"))
+    return f"{m['tag']} {sorted(set(m['w0'].tolist()))} {sorted(set(m['w1'].tolist()))}"
 
 
 def test_sigkill_during_async_write_leaves_old_or_new(tmp_path):
     rng = random.Random(5)
     seen = set()
-    for run in range(8):
+    for run in range(5):
         d = tmp_path / f"run{run}"
         d.mkdir()
         # Kill points spread from the call's return to past the end of the write (a

@@ -66,7 +66,7 @@ test-cpp: build
 
 test-python: build
 	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python SMP_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
-	  $(PYTHON) -m pytest -q -ra tests/python
+	  $(PYTHON) -m pytest -q -ra --durations=25 tests/python
 	@# Jobs across hosts made of network namespaces (docs/hosts.md): root only, else a
 	@# one-line skip.
 	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python SMP_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \

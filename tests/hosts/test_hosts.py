@@ -68,8 +68,10 @@ print("EQUAL", json.dumps({"rank": smp.rank(), "host": socket.gethostname(),
 """
 
 
-def _job(tmp_path, script, opts, nodes=2, nproc=2, timeout=120, ifname="eth0"):
-    path = tmp_path / "train.py"
+def _start(hosts, tmp_path, script, args=(), nproc=2, ifname="eth0"):
+    """One smprun per host running `script`, sharing a secret; returns the processes
+    (stdout and stderr together, text)."""
+    path = tmp_path / "job.py"
     path.write_text(script)
     secret = tmp_path / "secret"
     secret.write_text(secrets.token_hex(32))
@@ -79,13 +81,17 @@ def _job(tmp_path, script, opts, nodes=2, nproc=2, timeout=120, ifname="eth0"):
     env.pop("NCCL_SOCKET_IFNAME", None)
     if ifname:
         env["GLOO_SOCKET_IFNAME"] = ifname
+    return [hosts.popen(i, [os.path.join(BUILD, "bin", "smprun"), "--nnodes", hosts.n,
+                            "--node_rank", i, "--nproc_per_node", nproc,
+                            "--master_addr", hosts.addr(0), "--master_port", 29500,
+                            "--secret_file", secret, path, *args],
+                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(hosts.n)]
+
+
+def _job(tmp_path, script, opts, nodes=2, nproc=2, timeout=120, ifname="eth0"):
     with netns.Hosts(nodes) as hosts:
-        procs = [hosts.popen(i, [os.path.join(BUILD, "bin", "smprun"), "--nnodes", nodes,
-                                 "--node_rank", i, "--nproc_per_node", nproc,
-                                 "--master_addr", hosts.addr(0), "--master_port", 29500,
-                                 "--secret_file", secret, path, json.dumps(opts)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(nodes)]
+        procs = _start(hosts, tmp_path, script, (json.dumps(opts),), nproc, ifname)
         outs = []
         for p in procs:
             try:
@@ -145,19 +151,8 @@ for i in range(100000):
 
 @pytest.mark.parametrize("fault", ["killed", "cut"])
 def test_lost_host_is_named_by_every_launcher(tmp_path, fault):
-    path = tmp_path / "loop.py"
-    path.write_text(LOOP)
-    secret = tmp_path / "secret"
-    secret.write_text(secrets.token_hex(32))
-    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"), OMP_NUM_THREADS="1",
-               SMP_PYTHON=sys.executable)
     with netns.Hosts(2) as hosts:
-        procs = [hosts.popen(i, [os.path.join(BUILD, "bin", "smprun"), "--nnodes", 2,
-                                 "--node_rank", i, "--nproc_per_node", 2,
-                                 "--master_addr", hosts.addr(0), "--master_port", 29500,
-                                 "--secret_file", secret, path],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True) for i in range(2)]
+        procs = _start(hosts, tmp_path, LOOP)
         # Both hosts train before the fault.
         deadline = time.monotonic() + 60
         seen = ""

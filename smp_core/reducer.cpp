@@ -423,8 +423,9 @@ void Reducer::register_comm_hook(CommHookPtr hook) {
         "use this hook"));
   if (!impl_->default_hook || impl_->started)
     throw std::logic_error("smp: register_comm_hook must be called once, before the first step");
-  impl_->hook = std::move(hook);
+  impl_->user_hook = std::move(hook);
   impl_->default_hook = false;
+  impl_->wrap_user_hook();
 }
 
 void Reducer::prepare_for_backward(bool sync, double grad_scale,
@@ -464,6 +465,17 @@ bool Reducer::rebuilt() const {
 bool Reducer::shared_memory() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->arena != nullptr;
+}
+
+std::string Reducer::hierarchy() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->arena && impl_->arena->links() ? impl_->arena->links()->shape : "";
+}
+
+ProcessGroupPtr Reducer::hosts_group() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->arena || !impl_->arena->links() || impl_->arena->rank() != 0) return {};
+  return impl_->arena->links()->cross;
 }
 
 ReducerStats Reducer::stats() const {

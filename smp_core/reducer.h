@@ -191,6 +191,12 @@ class Reducer {
   // Whether the buckets live in a shared-memory segment (ReducerOptions::shared_memory
   // and every rank on this host); the default hook then sums them there.
   bool shared_memory() const;
+  // Note [Hierarchical reduction] (detail/host_links.cpp): one line describing the
+  // reduction between hosts, or "" when it is flat.
+  std::string hierarchy() const;
+  // The group of the hosts' first ranks, over which a registered hook runs (Note [Hooks
+  // between hosts]); null when flat, and on the other ranks of a host.
+  ProcessGroupPtr hosts_group() const;
   ReducerStats stats() const;
   size_t num_params() const;
   const ProcessGroupPtr& process_group() const;

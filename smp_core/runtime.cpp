@@ -193,6 +193,41 @@ Runtime& install(Config config, ProcessEnv env, StorePtr store, Groups groups) {
 
 Runtime& init(const Config& config) { return init(config.to_json()); }
 
+namespace {
+
+// A Gloo group of `members` (global ranks) on `store` under "smp/pg/<name>"; null where
+// this rank is not a member (only members rendezvous on the prefix). Single-machine
+// jobs bind loopback; across hosts the user's GLOO_SOCKET_IFNAME, else Note [Gloo's
+// interface] (net_interface.cpp).
+ProcessGroupPtr make_member_group(const StorePtr& store, const ProcessEnv& env,
+                                  const std::string& name, const std::vector<int>& members,
+                                  std::chrono::milliseconds timeout) {
+  int my = -1;
+  for (size_t i = 0; i < members.size(); ++i)
+    if (members[i] == env.rank) my = static_cast<int>(i);
+  if (my < 0) return {};
+  const bool loopback = env.world_size == 1 || env.master_addr == "localhost" ||
+                        env.master_addr.rfind("127.", 0) == 0;
+  std::string iface;
+  if (!loopback) {
+    const char* user = std::getenv("GLOO_SOCKET_IFNAME");
+    iface = user && *user ? std::string(user).substr(0, std::string(user).find(','))
+                          : choose_gloo_interface(env.master_addr).name;
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("smp/pg/" + name, store);
+  return compat::make_gloo_group(prefixed, my, static_cast<int>(members.size()), timeout,
+                                 loopback ? "127.0.0.1" : "", iface);
+}
+
+}  // namespace
+
+ProcessGroupPtr Runtime::make_group(const std::string& name,
+                                    const std::vector<int>& members) const {
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(config_.timeout_s * 1000));
+  return make_member_group(store_, env_, name, members, timeout);
+}
+
 Runtime& init(const std::string& config_json) {
   if (g_runtime) return *g_runtime;
   ProcessEnv env = ProcessEnv::from_environment();
@@ -228,21 +263,8 @@ Runtime& init(const std::string& config_json) {
   }
   Config config = agree_config(store, env, raw);
   Topology topo(env.world_size, config.partitions, config.placement_strategy);
-  // Single machine jobs bind loopback; multi-node jobs use the default interface.
-  const bool loopback = env.world_size == 1 || env.master_addr == "localhost" ||
-                        env.master_addr.rfind("127.", 0) == 0;
-  const std::string host = loopback ? "127.0.0.1" : "";
-  // Note [Gloo's interface] (net_interface.cpp): where the host name resolves to none of
-  // this host's addresses, the interface that routes to the master.
-  const std::string iface = loopback ? "" : choose_gloo_interface(env.master_addr).name;
-  auto make = [&](const std::string& name, const std::vector<int>& members) -> ProcessGroupPtr {
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("smp/pg/" + name, store);
-    int my = -1;
-    for (size_t i = 0; i < members.size(); ++i)
-      if (members[i] == env.rank) my = static_cast<int>(i);
-    if (my < 0) return {};
-    return compat::make_gloo_group(prefixed, my, static_cast<int>(members.size()), timeout, host,
-                                   iface);
+  auto make = [&](const std::string& name, const std::vector<int>& members) {
+    return make_member_group(store, env, name, members, timeout);
   };
   Groups groups;
   std::vector<int> all(env.world_size);

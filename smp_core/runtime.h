@@ -106,6 +106,11 @@ class Runtime {
   const Groups& groups() const { return groups_; }
   const StorePtr& store() const { return store_; }
   StoreMailbox& mailbox() { return *mailbox_; }
+  // A new Gloo group of `members` (global ranks, in group order), made on the store
+  // under `name` (unique in the job); collective over the members only; null on every
+  // other rank. Bound like smp's own groups (the user's GLOO_SOCKET_IFNAME, else Note
+  // [Gloo's interface]).
+  ProcessGroupPtr make_group(const std::string& name, const std::vector<int>& members) const;
 
  private:
   Config config_;

@@ -30,6 +30,10 @@ ProcessEnv make_env(int rank, int world, int local_rank, int local_size) {
   e.world_size = world;
   e.local_rank = local_rank;
   e.local_size = local_size;
+  // The master's address, where the launcher gave one: groups made later in C++
+  // (Runtime::make_group) bind toward it, as torch's own did.
+  const char* master = std::getenv("MASTER_ADDR");
+  if (master && *master) e.master_addr = master;
   return e;
 }
 

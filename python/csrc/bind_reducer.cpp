@@ -528,6 +528,8 @@ void bind_reducer(py::module_& m) {
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("rebuilt", &Reducer::rebuilt)
       .def("shared_memory", &Reducer::shared_memory)
+      .def("hierarchy", &Reducer::hierarchy)
+      .def_property_readonly("hosts_group", &Reducer::hosts_group)
       .def("stats", [](const Reducer& r) { return stats_dict(r.stats()); })
       .def_property_readonly("process_group", &Reducer::process_group);
 

@@ -14,7 +14,7 @@ attribute of the other read across files:
 smp/join.py drives the replica's collectives through this interface.
 """
 import smp._C as _C
-from smp import auto_resume
+from smp import auto_resume, log
 from smp.collectives import allgather
 from smp.ddp_comm_hooks import _install
 from smp.groups import CommGroup, get_dp_process_group
@@ -145,6 +145,9 @@ class Replica:
             overlapping=self._overlapping, expected_order=expected,
             timeout_s=state.cfg.timeout_s,
             owners=self.shard.grad_owners() if self.shard is not None else [])
+        shape = self.reducer.hierarchy()  # Note [Hierarchical reduction]: said once
+        if shape and dp_rank() == 0:
+            log.get_logger().info("smp: %s", shape)
         if self.comm_hook is not None:
             _install(self.reducer, *self.comm_hook)
         auto_resume.adopt_layout(self.reducer)  # a resumed job's buckets, if any

@@ -82,6 +82,10 @@ void Reducer::Impl::init() {
   used.assign(n, 0);
   auto first_layout = arranged(compute_bucket_assignment(params, order, opts.bucket_cap_bytes,
                                                          opts.first_bucket_bytes));
+  bool cpu = true;
+  for (const auto& p : params) cpu = cpu && p.device().is_cpu();
+  links = detail::make_host_links(pg, opts.shared_memory && cpu, opts.timeout_s,
+                                  opts.group_name + " group");
   make_arena(first_layout);
   build_buckets(std::move(first_layout));
   queue = std::make_unique<CommQueue>(opts.group_name + "-reducer");
@@ -164,7 +168,18 @@ void Reducer::Impl::make_arena(const std::vector<std::vector<int64_t>>& for_layo
   }
   bytes += align64(bitmap_slots.size() * sizeof(int32_t));  // Note [Used bitmap]
   arena = detail::ShmArena::create(pg, bytes, opts.timeout_s,
-                                   "the shared-memory segment of the reducer on " + group);
+                                   "the shared-memory segment of the reducer on " + group, links);
+  // Links between hosts work only with an arena on every host: all or none, as the
+  // arena is (a failed segment anywhere leaves every rank flat).
+  if (!arena) links = nullptr;
+}
+
+// The registered hook as the buckets call it: on the hosts' means over the hosts group
+// when the reduction is hierarchical (Note [Hooks between hosts]), else as it is.
+void Reducer::Impl::wrap_user_hook() {
+  hook = arena && arena->links()
+             ? detail::make_hosts_hook(user_hook, arena, opts.timeout_s, group, steps_done)
+             : user_hook;
 }
 
 // Allocates the buckets of `new_layout` (in the arena, if any). With
@@ -236,6 +251,8 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
   } else if (default_hook) {
     hook = arena ? detail::make_shm_sum_hook(arena, offsets, opts.timeout_s, group, steps_done)
                  : detail::make_sum_allreduce_hook();
+  } else {
+    wrap_user_hook();
   }
   buckets = std::move(fresh);
   layout = std::move(new_layout);

@@ -67,6 +67,14 @@ CommHookPtr make_owner_reduce_hook(std::shared_ptr<ShmArena> arena, std::vector<
                                    std::string group,
                                    std::shared_ptr<std::atomic<int64_t>> steps);
 
+// Note [Hierarchical reduction] (detail/host_links.cpp): the links between the hosts
+// of `pg` (collective over it; null on every rank when the group stays flat).
+std::shared_ptr<const HostLinks> make_host_links(const ProcessGroupPtr& pg, bool allowed,
+                                                 double timeout_s, const std::string& what);
+// Note [Hooks between hosts]: runs `inner` on the hosts' means over the hosts group.
+CommHookPtr make_hosts_hook(CommHookPtr inner, std::shared_ptr<ShmArena> arena, double timeout_s,
+                            std::string group, std::shared_ptr<std::atomic<int64_t>> steps);
+
 struct ReducerBucket {
   at::Tensor buffer;               // flat, contiguous
   std::vector<int64_t> params;     // parameter indices, in buffer order
@@ -110,6 +118,9 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
 
   CommHookPtr hook = detail::make_sum_allreduce_hook();
   bool default_hook = true;
+  CommHookPtr user_hook;  // the registered hook (`hook` wraps it between hosts)
+  // Note [Hierarchical reduction]: set once by init() when the group spans hosts.
+  std::shared_ptr<const detail::HostLinks> links;
   std::unique_ptr<CommQueue> queue;
   std::shared_ptr<detail::ShmArena> arena;  // null: reduce through the process group
   size_t bitmap_offset = 0;                 // of the bitmap in this rank's arena slot
@@ -177,6 +188,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   void verify_across_ranks(const std::vector<int64_t>& order);
   void build_buckets(std::vector<std::vector<int64_t>> new_layout);
   void make_arena(const std::vector<std::vector<int64_t>>& for_layout);
+  void wrap_user_hook();
 
   // reducer.cpp: bucket arming, the normal step.
   void on_grad_ready(int64_t i);

@@ -1,6 +1,7 @@
 #include "smp_core/detail/shm_allreduce.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <fcntl.h>
 #include <signal.h>
@@ -11,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -64,7 +66,10 @@ std::string host_identity() {
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
   char ns[128] = {0};
   ssize_t len = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
-  return std::string(host) + "|" + boot + "|" + (len > 0 ? std::string(ns, len) : "?");
+  std::string id = std::string(host) + "|" + boot + "|" + (len > 0 ? std::string(ns, len) : "?");
+  const int fake = env_int("SMP_FAKE_HOSTS", 0);  // tests: Note [Hosts of a group]
+  if (fake > 0 && is_initialized()) id += str_cat("|fake host ", runtime().rank() / fake);
+  return id;
 }
 
 bool process_exited(int64_t id) {
@@ -93,28 +98,35 @@ void futex_wake_all(std::atomic<uint32_t>* addr) {
 }  // namespace
 
 std::shared_ptr<ShmArena> ShmArena::create(const ProcessGroupPtr& pg, size_t slot_bytes,
-                                           double timeout_s, const std::string& what) {
+                                           double timeout_s, const std::string& what,
+                                           std::shared_ptr<const HostLinks> links) {
   const int world = pg->getSize(), rank = pg->getRank();
   if (world < 2) return nullptr;
   const bool enabled = env_flag("SMP_REDUCER_SHM", true,
                                 "the ranks of one host sum buckets in shared memory; 0: "
                                 "through the process group");
   // Every rank decides from the same allgathered data: all or none use the segment.
+  // Without links every rank must be on this host; with them, the links say who is.
   auto ids = allgather_bytes(pg, (enabled ? "1|" : "0|") + host_identity(), timeout_s,
                              what + " (host check)");
   for (const auto& id : ids)
-    if (id != ids[0] || id[0] != '1') return nullptr;
+    if (id[0] != '1' || (!links && id != ids[0])) return nullptr;
 
+  // This host's ranks of the group, in group order; the first creates the segment.
+  std::vector<int> members;
+  for (int q = 0; q < world; ++q)
+    if (!links || links->host_of.at(q) == links->host) members.push_back(q);
   std::shared_ptr<ShmArena> a(new ShmArena());
-  a->rank_ = rank;
-  a->world_ = world;
-  a->header_bytes_ = round_up(kLine * (1 + kArrays * static_cast<size_t>(world)), kPage);
+  a->links_ = std::move(links);
+  a->world_ = static_cast<int>(members.size());
+  a->rank_ = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+  a->header_bytes_ = round_up(kLine * (1 + kArrays * static_cast<size_t>(a->world_)), kPage);
   a->slot_bytes_ = round_up(std::max<size_t>(slot_bytes, 1), kPage);
-  a->bytes_ = a->header_bytes_ + a->slot_bytes_ * world;
+  a->bytes_ = a->header_bytes_ + a->slot_bytes_ * a->world_;
 
   std::string name;
   int fd = -1;
-  if (rank == 0) {
+  if (a->world_ > 1 && a->rank_ == 0) {
     static std::atomic<uint64_t> counter{0};
     std::random_device rd;
     name = str_cat("/smp-reducer-", getpid(), "-", counter++, "-", rd());
@@ -129,26 +141,27 @@ std::shared_ptr<ShmArena> ShmArena::create(const ProcessGroupPtr& pg, size_t slo
       fd = -1;
     }
   }
-  name = broadcast_bytes(pg, name, 0, timeout_s, what + " (segment name)");
-  if (name.empty()) return nullptr;
-  if (rank != 0) fd = shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd >= 0) {
-    void* p = mmap(nullptr, a->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p != MAP_FAILED) a->base_ = static_cast<char*>(p);
+  // Each host's first rank names its segment (an empty name: it could not make one).
+  auto names = allgather_bytes(pg, name, timeout_s, what + " (segment name)");
+  name = names.at(members.front());
+  if (a->world_ > 1 && !name.empty()) {
+    if (a->rank_ != 0) fd = shm_open(name.c_str(), O_RDWR, 0600);
+    if (fd >= 0) {
+      void* p = mmap(nullptr, a->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      close(fd);
+      if (p != MAP_FAILED) a->base_ = static_cast<char*>(p);
+    }
   }
-  if (rank == 0 && a->base_) *reinterpret_cast<uint64_t*>(a->base_) = kMagic;
-  if (a->base_) a->word(kPid, rank)->store(static_cast<uint64_t>(getpid()));
+  if (a->rank_ == 0 && a->base_) *reinterpret_cast<uint64_t*>(a->base_) = kMagic;
+  if (a->base_) a->word(kPid, a->rank_)->store(static_cast<uint64_t>(getpid()));
   // Each rank's global rank travels along: errors name ranks as smprun prints them.
   const int global = is_initialized() ? runtime().rank() : rank;
   auto oks = allgather_bytes(pg, str_cat(a->base_ ? "1|" : "0|", global), timeout_s,
                              what + " (segment mapped)");
-  if (rank == 0) shm_unlink(name.c_str());  // every rank has it mapped (or gave up)
+  if (a->rank_ == 0 && !name.empty()) shm_unlink(name.c_str());  // mapped (or given up)
   bool all_ok = true;
-  for (const auto& ok : oks) {
-    all_ok = all_ok && ok.rfind("1|", 0) == 0;
-    a->global_.push_back(std::atoi(ok.c_str() + 2));
-  }
+  for (const auto& ok : oks) all_ok = all_ok && ok.rfind("1|", 0) == 0;
+  for (int q : members) a->global_.push_back(std::atoi(oks[q].c_str() + 2));
   if (all_ok) all_ok = *reinterpret_cast<uint64_t*>(a->base_) == kMagic;
   if (!all_ok) return nullptr;  // the destructor unmaps
   return a;
@@ -223,14 +236,47 @@ void ShmArena::wait_all(int array, uint64_t op, double timeout_s, const std::str
   }
 }
 
+size_t ShmArena::offset_of(const at::Tensor& t) const {
+  const char* p = static_cast<const char*>(t.data_ptr());
+  SMP_CHECK(p >= slot(rank_) && p < slot(rank_) + slot_bytes_,
+            "ShmArena: the tensor is not in this rank's slot");
+  return static_cast<size_t>(p - slot(rank_));
+}
+
 void ShmArena::allreduce(size_t offset, int64_t numel, at::ScalarType dtype, bool shadow,
                          double timeout_s, const std::string& what) {
-  reduce_segments(offset, {Segment{0, numel, -1}}, dtype, shadow, timeout_s, what);
+  reduce(offset, {Segment{0, numel, -1}}, dtype, shadow, timeout_s, what, links_.get());
 }
 
 void ShmArena::reduce_segments(size_t offset, const std::vector<Segment>& segments,
                                at::ScalarType dtype, bool shadow, double timeout_s,
                                const std::string& what) {
+  reduce(offset, segments, dtype, shadow, timeout_s, what, links_.get());
+}
+
+void ShmArena::allreduce_local(size_t offset, int64_t numel, at::ScalarType dtype, bool shadow,
+                               double timeout_s, const std::string& what) {
+  reduce(offset, {Segment{0, numel, -1}}, dtype, shadow, timeout_s, what, nullptr);
+}
+
+void ShmArena::broadcast_local(size_t offset, int64_t numel, at::ScalarType dtype, int root,
+                               double timeout_s, const std::string& what) {
+  const uint64_t op = ++op_;
+  word(kShadow, rank_)->store(0, std::memory_order_release);
+  post(kInputs, op);
+  wait_all(kInputs, op, timeout_s, what);
+  if (rank_ != root) {
+    const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+    std::memcpy(slot(rank_) + offset, slot(root) + offset, bytes);
+  }
+  post(kParts, op);
+  wait_all(kParts, op, timeout_s, what);
+}
+
+// Note [Hierarchical reduction] (detail/host_links.cpp) for the between-hosts step.
+void ShmArena::reduce(size_t offset, const std::vector<Segment>& segments, at::ScalarType dtype,
+                      bool shadow, double timeout_s, const std::string& what,
+                      const HostLinks* links) {
   const uint64_t op = ++op_;
   word(kShadow, rank_)->store(shadow ? op : 0, std::memory_order_release);
   post(kInputs, op);  // release: the shadow flag and the slot's data go with it
@@ -261,26 +307,48 @@ void ShmArena::reduce_segments(size_t offset, const std::vector<Segment>& segmen
     }
     return sum;
   };
-  if (!live.empty()) {
-    for (const Segment& seg : segments) {
-      if (seg.begin >= seg.end) continue;
-      if (seg.owner == rank_) {
-        sum_into(rank_, seg.begin, seg.end);
-      } else if (seg.owner < 0) {
-        // Every rank sums part `rank_` of it, 64-byte aligned so that parts share no
-        // cache line, and copies that into every live slot.
-        const int64_t numel = seg.end - seg.begin;
-        const int64_t align = std::max<int64_t>(1, kLine / esize);
-        const int64_t chunk = (numel + world_ - 1) / world_;
-        const int64_t per = (chunk + align - 1) / align * align;
-        const int64_t begin = seg.begin + std::min(numel, per * rank_);
-        const int64_t end = std::min(seg.end, begin + per);
-        if (begin >= end) continue;
-        const int dst = me_live ? rank_ : live[0];
-        at::Tensor sum = sum_into(dst, begin, end);
+  // This rank's part of [seg.begin, seg.end): every rank sums one part, 64-byte aligned
+  // so that parts share no cache line (the same parts on every host).
+  auto my_part = [&](const Segment& seg) {
+    const int64_t numel = seg.end - seg.begin;
+    const int64_t align = std::max<int64_t>(1, kLine / esize);
+    const int64_t chunk = (numel + world_ - 1) / world_;
+    const int64_t per = (chunk + align - 1) / align * align;
+    const int64_t begin = seg.begin + std::min(numel, per * rank_);
+    return std::make_pair(begin, std::min(seg.end, begin + per));
+  };
+  const int dst = me_live || live.empty() ? rank_ : live[0];
+  for (const Segment& seg : segments) {
+    if (seg.begin >= seg.end) continue;
+    if (links) {
+      // This host's sum of my part, then the sum over hosts of it (to the owner's host
+      // only for an owned segment), then copied where it is kept on this host.
+      auto [begin, end] = my_part(seg);
+      if (begin >= end) continue;
+      at::Tensor sum = live.empty() ? part(rank_, begin, end).zero_() : sum_into(dst, begin, end);
+      std::vector<at::Tensor> v{sum};
+      if (seg.owner < 0) {
+        wait_work(links->cross->allreduce(v), timeout_s, what + " (between hosts)");
         for (int q : live)
           if (q != dst) part(q, begin, end).copy_(sum);
+      } else {
+        c10d::ReduceOptions o;
+        o.rootRank = links->host_of.at(seg.owner);
+        wait_work(links->cross->reduce(v, o), timeout_s, what + " (between hosts)");
+        const int keeper = links->local_of.at(seg.owner);
+        if (o.rootRank == links->host && keeper != dst) part(keeper, begin, end).copy_(sum);
       }
+      continue;
+    }
+    if (live.empty()) continue;
+    if (seg.owner == rank_) {
+      sum_into(rank_, seg.begin, seg.end);
+    } else if (seg.owner < 0) {
+      auto [begin, end] = my_part(seg);
+      if (begin >= end) continue;
+      at::Tensor sum = sum_into(dst, begin, end);
+      for (int q : live)
+        if (q != dst) part(q, begin, end).copy_(sum);
     }
   }
   post(kParts, op);

@@ -27,10 +27,26 @@ struct Segment {
 };
 
 // Host name, boot id and pid namespace: processes with equal identities can look each
-// other up by pid (and share memory).
+// other up by pid (and share memory). SMP_FAKE_HOSTS=k (tests) adds "fake host
+// RANK / k", so one machine's ranks count as hosts of k ranks each (Note [Hosts of a
+// group], detail/host_links.cpp).
 std::string host_identity();
 // True if process `pid` of this host has exited (gone, or a zombie not reaped yet).
 bool process_exited(int64_t pid);
+
+// How a process group's ranks sit on hosts, and this rank's link between hosts for the
+// hierarchical reduction (Note [Hierarchical reduction], detail/host_links.cpp).
+struct HostLinks {
+  int hosts = 1;              // hosts holding the group's ranks
+  int per_host = 1;           // ranks of the group on each host (equal on every host)
+  int host = 0;               // this rank's host (hosts ordered by their lowest rank)
+  std::vector<int> host_of;   // group rank -> host
+  std::vector<int> local_of;  // group rank -> index among its host's ranks
+  // Local index j of every host, ordered by host (this rank is `host` in it): carries
+  // part j of every bucket between hosts.
+  ProcessGroupPtr cross;
+  std::string shape;          // one line for the log
+};
 
 class ShmArena : public std::enable_shared_from_this<ShmArena> {
  public:
@@ -38,8 +54,12 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
   // every rank gets an arena with a slot of `slot_bytes` per rank, or every rank gets
   // null: world size 1, a rank on another host (hostname and boot id differ),
   // SMP_REDUCER_SHM=0 on any rank, or the segment could not be created (/dev/shm full).
+  // With `links`: one arena per host, among the ranks the links put on this host (the
+  // group spans hosts), and every sum of allreduce() and reduce_segments() goes on
+  // between hosts over links->cross: still all or none.
   static std::shared_ptr<ShmArena> create(const ProcessGroupPtr& pg, size_t slot_bytes,
-                                          double timeout_s, const std::string& what);
+                                          double timeout_s, const std::string& what,
+                                          std::shared_ptr<const HostLinks> links = nullptr);
   ~ShmArena();
 
   ShmArena(const ShmArena&) = delete;
@@ -62,8 +82,19 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
                        at::ScalarType dtype, bool shadow, double timeout_s,
                        const std::string& what);
 
-  int rank() const { return rank_; }
-  int world() const { return world_; }
+  // Within this host only, whatever the links: every slot's region becomes the sum of
+  // this host's slots (a shadow rank counts as zeros).
+  void allreduce_local(size_t offset, int64_t numel, at::ScalarType dtype, bool shadow,
+                       double timeout_s, const std::string& what);
+  // Within this host: copies local rank `root`'s region into every other slot.
+  void broadcast_local(size_t offset, int64_t numel, at::ScalarType dtype, int root,
+                       double timeout_s, const std::string& what);
+  // Bytes from the start of this rank's slot to `t`'s data (a tensor of slot_tensor()).
+  size_t offset_of(const at::Tensor& t) const;
+
+  int rank() const { return rank_; }  // on this host (the group rank when links are null)
+  int world() const { return world_; }  // ranks on this host
+  const std::shared_ptr<const HostLinks>& links() const { return links_; }
 
  private:
   ShmArena() = default;
@@ -72,6 +103,8 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
   char* slot(int r) const;
   void post(int array, uint64_t op);
   void wait_all(int array, uint64_t op, double timeout_s, const std::string& what);
+  void reduce(size_t offset, const std::vector<Segment>& segments, at::ScalarType dtype,
+              bool shadow, double timeout_s, const std::string& what, const HostLinks* links);
 
   char* base_ = nullptr;
   size_t bytes_ = 0;
@@ -80,7 +113,8 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
   int rank_ = 0;
   int world_ = 1;
   uint64_t op_ = 0;  // operations issued by this rank (the same sequence everywhere)
-  std::vector<int> global_;  // group rank -> global rank (errors name global ranks)
+  std::vector<int> global_;  // local rank -> global rank (errors name global ranks)
+  std::shared_ptr<const HostLinks> links_;
 };
 
 }  // namespace smp::detail

@@ -11,6 +11,8 @@ included; on an smp model a state without a group reduces over the dp group (Not
 from enum import Enum
 from functools import partial
 
+import torch.distributed as dist
+
 from smp.ddp_comm_hooks import (
     debugging_hooks, default_hooks, post_localSGD_hook, powerSGD_hook, quantization_hooks,
 )
@@ -73,11 +75,27 @@ def register_ddp_comm_hook(comm_hook_type, model, state=None):
     comm_hook_type.value(model=model, state=state)
 
 
+def _between_hosts(reducer, state):
+    """Note [Hooks between hosts] (smp_core/detail/host_links.cpp): where the reducer
+    reduces hierarchically, the hook runs on each host's first rank over the group of
+    those ranks, so its state gets that group (None on a host's other ranks, which never
+    run it) in place of the dp group it was resolved to."""
+    if not reducer.hierarchy():
+        return state
+    hosts = reducer.hosts_group
+    if state is None or isinstance(state, dist.ProcessGroup):
+        return hosts
+    if hasattr(state, "process_group"):
+        state.process_group = hosts
+    return state
+
+
 def _install(reducer, state, hook):
     """Registers `hook` with `state` on a C++ reducer (a built-in's C++ hook, or the
     Python callable), and gives the first step torch DDP's constructor buckets, so the
     hook sees the bucket layouts torch's DDP would show it (Note [Hook buckets follow
     torch's] in smp_core/detail/reducer_rebuild.cpp)."""
+    state = _between_hosts(reducer, state)
     reducer.register_comm_hook(state, native_of(hook) or hook)
     # Note [Hook state carries its layout] (powerSGD_hook.py): a loaded state brings the
     # buckets it is indexed by.

@@ -68,15 +68,16 @@ print("EQUAL", json.dumps({"rank": smp.rank(), "host": socket.gethostname(),
 """
 
 
-def _start(hosts, tmp_path, script, args=(), nproc=2, ifname="eth0"):
+def _start(hosts, tmp_path, script, args=(), nproc=2, ifname="eth0", extra_path=None):
     """One smprun per host running `script`, sharing a secret; returns the processes
     (stdout and stderr together, text)."""
     path = tmp_path / "job.py"
     path.write_text(script)
     secret = tmp_path / "secret"
     secret.write_text(secrets.token_hex(32))
-    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"), OMP_NUM_THREADS="1",
-               SMP_PYTHON=sys.executable)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                   [os.path.join(BUILD, "python")] + ([extra_path] if extra_path else [])),
+               OMP_NUM_THREADS="1", SMP_PYTHON=sys.executable)
     env.pop("GLOO_SOCKET_IFNAME", None)
     env.pop("NCCL_SOCKET_IFNAME", None)
     if ifname:
@@ -128,6 +129,40 @@ def test_pp2_dp2_over_two_hosts_equals_one_process(tmp_path, placement, pp_insid
         else:
             assert len(said) == 1 and "Gloo binds eth0" in said[0] and \
                 "routes to the master 10.77.0.1" in said[0], out
+
+
+# Note [Hierarchical reduction]: dp=4 over 2 hosts x 2 ranks sums in shared memory
+# within each host and over Gloo (eth0) between them; the same job on one machine with
+# SMP_FAKE_HOSTS=2 (4 ranks counted as 2 hosts) does the same arithmetic over loopback,
+# so the two must be bitwise equal, with and without PowerSGD (run on the hosts' first
+# ranks over the hosts group). The script (tests/python/test_hierarchy.py) also checks
+# itself against one process (default reduction) and that replicas are equal. The
+# PowerSGD job runs without GLOO_SOCKET_IFNAME: the links between hosts, made in C++
+# after init, pick the interface toward the master as torch's groups did.
+@pytest.mark.parametrize("hook,ifname", [(None, "eth0"), ("powersgd", None)])
+def test_dp4_over_two_hosts_reduces_hierarchically(tmp_path, hook, ifname):
+    import torch
+    sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+    from test_hierarchy import TRAIN as HIER  # noqa: E402
+    nets = os.path.join(REPO, "tests", "python")
+    opts = {"hook": hook, "out": str(tmp_path / "hosts.pt")}
+    with netns.Hosts(2) as hosts:
+        procs = _start(hosts, tmp_path, HIER, (json.dumps(opts),), ifname=ifname,
+                       extra_path=nets)
+        outs = [(p.wait(timeout=120), p.stdout.read()) for p in procs]
+    assert all(rc == 0 for rc, _ in outs), "\n".join(out for _, out in outs)
+    assert "spans 2 hosts x 2 ranks" in outs[0][1], outs[0][1]
+    one = dict(opts, out=str(tmp_path / "one.pt"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(BUILD, "python"), nets]),
+               OMP_NUM_THREADS="1", SMP_FAKE_HOSTS="2", SMP_PYTHON=sys.executable)
+    run = subprocess.run([os.path.join(BUILD, "bin", "smprun"), "--nproc_per_node", "4",
+                          tmp_path / "job.py", json.dumps(one)], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert run.returncode == 0, run.stdout
+    a, b = torch.load(opts["out"]), torch.load(one["out"])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max())
 
 
 LOOP = r"""

@@ -93,8 +93,28 @@ int Coordinator::rendezvous() {
     say("error: control port (--master_port + 1): " + error);
     return kExitBadInput;
   }
-  double deadline = now_s() + options_.rdzv_timeout_s;
+  const double start = now_s();
+  double deadline = start + options_.rdzv_timeout_s;
+  bool noticed = false;
+  auto missing_nodes = [&] {
+    std::string missing;
+    for (int n = 1; n < options_.nnodes; ++n) {
+      bool joined = false;
+      for (auto& p : peers_) joined = joined || p.node == n;
+      if (!joined) missing += (missing.empty() ? "" : ", ") + std::to_string(n);
+    }
+    return missing;
+  };
   while (static_cast<int>(peers_.size()) < options_.nnodes - 1) {
+    if (!noticed && now_s() - start >= kRendezvousNoticeS) {
+      noticed = true;
+      char secs[64];
+      snprintf(secs, sizeof(secs), "%.0f s (waiting until %g s, --rdzv_timeout)", now_s() - start,
+               options_.rdzv_timeout_s);
+      say("waiting for node ranks " + missing_nodes() + " to join on " +
+          host_port(options_.master_addr, port) + ": " + std::to_string(peers_.size() + 1) +
+          " of " + std::to_string(options_.nnodes) + " nodes after " + secs);
+    }
     pump(0.2);
     if (int sig = take_signal())
       return abort_all("rendezvous interrupted: node 0's launcher received " + signal_name(sig),
@@ -131,12 +151,7 @@ int Coordinator::rendezvous() {
                          kExitFailure);
     }
     if (now_s() > deadline) {
-      std::string missing;
-      for (int n = 1; n < options_.nnodes; ++n) {
-        bool joined = false;
-        for (auto& p : peers_) joined = joined || p.node == n;
-        if (!joined) missing += (missing.empty() ? "" : ", ") + std::to_string(n);
-      }
+      const std::string missing = missing_nodes();
       char secs[32];
       snprintf(secs, sizeof(secs), "%g", options_.rdzv_timeout_s);
       return abort_all("only " + std::to_string(peers_.size() + 1) + " of " +

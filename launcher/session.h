@@ -67,6 +67,10 @@ class Session {
   // A launcher answers in milliseconds; a stranger that stalls holds the rendezvous
   // loop this long at most (well under --heartbeat_timeout).
   static constexpr double kHandshakeTimeoutS = 2.0;
+  // A rendezvous still incomplete after this long says who is missing and why, once,
+  // then waits on until --rdzv_timeout (nodes may start minutes apart; a host that is
+  // unreachable is named well before that).
+  static constexpr double kRendezvousNoticeS = 10.0;
 
  private:
   std::vector<int> signals_;

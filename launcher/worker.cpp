@@ -42,7 +42,9 @@ class Worker : public Session {
 };
 
 int Worker::join() {
-  double deadline = now_s() + options_.rdzv_timeout_s;
+  const double start = now_s();
+  double deadline = start + options_.rdzv_timeout_s;
+  bool noticed = false;
   std::string last_error;
   while (!channel_) {
     std::string error;
@@ -69,6 +71,15 @@ int Worker::join() {
       close(fd);
     }
     last_error = error;
+    if (!noticed && now_s() - start >= kRendezvousNoticeS) {
+      noticed = true;
+      char secs[64];
+      snprintf(secs, sizeof(secs), "%.0f s (until %g s, --rdzv_timeout)", now_s() - start,
+               options_.rdzv_timeout_s);
+      say("node " + std::to_string(options_.node_rank) + " (host '" + this_host() +
+          "') cannot reach the coordinator (node 0) at " + coordinator() + ": " + error +
+          "; still trying after " + secs);
+    }
     pump(kConnectRetryS);
     if (int sig = take_signal()) {
       say("received " + signal_name(sig) + " while waiting for node 0 at " + coordinator());

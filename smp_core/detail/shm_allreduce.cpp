@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "smp_core/config.h"
+#include "smp_core/grad_bucket.h"
 #include "smp_core/errors.h"
 #include "smp_core/runtime.h"
 
@@ -328,7 +329,8 @@ void ShmArena::reduce(size_t offset, const std::vector<Segment>& segments, at::S
       at::Tensor sum = live.empty() ? part(rank_, begin, end).zero_() : sum_into(dst, begin, end);
       std::vector<at::Tensor> v{sum};
       if (seg.owner < 0) {
-        wait_work(links->cross->allreduce(v), timeout_s, what + " (between hosts)");
+        // In chunks (allreduce_flat), so Gloo's worker threads send and sum at once.
+        wait_future(allreduce_flat(links->cross, sum), timeout_s, what + " (between hosts)");
         for (int q : live)
           if (q != dst) part(q, begin, end).copy_(sum);
       } else {

@@ -107,18 +107,25 @@ def test_first_step_records_what_it_ran_without_a_plan(ranks, tmp_path):
 
 
 def test_bad_bounds_are_config_errors(tmp_path):
-    script = tmp_path / "bad.py"
-    script.write_text("import smp\n"
-                      "try:\n    smp.init({})\n"
-                      "except smp.ConfigError as e:\n    print('CONFIG_ERROR', e)\n")
+    # One process through every case (smp.init, then smp.shutdown), not one each: ~3 s
+    # of interpreter and torch start per case.
     cases = [("SMP_TIMELINE_MAX_MB", v, "is not a number > 0") for v in ("lots", "0", "-3")]
     cases += [("SMP_TIMELINE_STEPS", v, "is not a step window 'a:b'") for v in ("5", "3:1", "x:2")]
-    for var, value, words in cases:
-        env = rank_env(0, 1, free_port(), {"SMP_TIMELINE": str(tmp_path / "tl"), var: value})
-        out = subprocess.run([PYTHON, str(script)], capture_output=True, text=True, env=env,
-                             timeout=120)
-        assert f"CONFIG_ERROR smp: environment {var}='{value}' {words}" in out.stdout, \
-            (value, out.stdout, out.stderr)
+    script = tmp_path / "bad.py"
+    script.write_text("import json, os, sys, smp\n"
+                      "for var, value in json.loads(sys.argv[1]):\n"
+                      "    os.environ[var] = value\n"
+                      "    try:\n        smp.init({})\n"
+                      "    except smp.ConfigError as e:\n        print('CONFIG_ERROR', e)\n"
+                      "    smp.shutdown()\n"
+                      "    del os.environ[var]\n")
+    env = rank_env(0, 1, free_port(), {"SMP_TIMELINE": str(tmp_path / "tl")})
+    out = subprocess.run([PYTHON, str(script), json.dumps([c[:2] for c in cases])],
+                         capture_output=True, text=True, env=env, timeout=120)
+    said = [ln for ln in out.stdout.splitlines() if ln.startswith("CONFIG_ERROR")]
+    assert len(said) == len(cases), (out.stdout, out.stderr)
+    for (var, value, words), line in zip(cases, said):
+        assert line.startswith(f"CONFIG_ERROR smp: environment {var}='{value}' {words}"), line
 
 
 def test_module_entry_point_usage_without_warning():

@@ -18,7 +18,8 @@ JOBS        ?= $(shell nproc)
 # Debian packages the project builds and runs with (see README: "Dependencies").
 DEB_PACKAGES := cmake g++ make ninja-build python3-dev python3-venv libgloo-dev \
                 libboost-serialization-dev libgtest-dev \
-                libcli11-dev nlohmann-json3-dev libxxhash-dev libssl-dev procps iproute2
+                libcli11-dev nlohmann-json3-dev libxxhash-dev libssl-dev procps iproute2 \
+                nftables
 ifeq ($(TORCH),debian)
 DEB_PACKAGES += libtorch-dev python3-torch pybind11-dev python3-pytest libopenblas0-pthread
 endif

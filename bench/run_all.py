@@ -5,7 +5,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHES = ["ddp.py", "pipeline.py", "checkpoint.py", "powersgd.py", "init.py",
-           "activation_checkpointing.py", "memory.py", "mixed_precision.py"]
+           "activation_checkpointing.py", "memory.py", "mixed_precision.py", "hosts.py"]
 
 if __name__ == "__main__":
     failed = 0

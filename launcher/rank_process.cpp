@@ -57,6 +57,8 @@ EnvMap rank_environment(const EnvMap& base, const LaunchOptions& o, int local_ra
   env["MASTER_ADDR"] = o.master_addr;
   env["MASTER_PORT"] = std::to_string(master_port);
   env["SMP_RESTART_COUNT"] = std::to_string(attempt);
+  // Note [Rank heartbeat] (smp_core/liveness.cpp): smprun's launchers watch the hosts.
+  env["SMP_LAUNCHER"] = "smprun";
   // Note [Job secret]: every rank holds the job's secret, in its environment only.
   env["SMP_JOB_SECRET"] = o.secret;
   env.erase("SMP_JOB_SECRET_FILE");

@@ -9,6 +9,7 @@
 #include "smp_core/errors.h"
 
 #include <algorithm>
+#include <mutex>
 #include <thread>
 
 namespace smp {
@@ -33,6 +34,30 @@ at::Tensor bytes_tensor(const std::string& s, int64_t size) {
 
 }  // namespace
 
+// Note [Peers by address]
+// Gloo names a peer that failed by its address ("Read error [10.77.0.2]:37029:
+// Connection reset"). smp.init exchanges every rank's address toward the master with
+// its host name (start_liveness, liveness.cpp), so a failed collective's message also
+// says whose address that is: the host and the ranks a user can act on.
+namespace {
+std::mutex g_peer_mu;
+std::vector<std::pair<std::string, std::string>> g_peer_names;
+}  // namespace
+
+void set_peer_names(std::vector<std::pair<std::string, std::string>> by_address) {
+  std::lock_guard<std::mutex> lock(g_peer_mu);
+  g_peer_names = std::move(by_address);
+}
+
+std::string with_peer_names(const std::string& msg) {
+  std::lock_guard<std::mutex> lock(g_peer_mu);
+  std::string said;
+  for (const auto& [addr, who] : g_peer_names)
+    if (msg.find("[" + addr + "]") != std::string::npos)
+      said += str_cat(said.empty() ? "" : "; ", addr, " is ", who);
+  return said.empty() ? msg : str_cat(msg, " (", said, ")");
+}
+
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, double timeout_s,
                const std::string& what) {
   try {
@@ -42,7 +67,7 @@ void wait_work(const c10::intrusive_ptr<c10d::Work>& work, double timeout_s,
     if (looks_like_timeout(msg))
       throw TimeoutError(str_cat("smp: timed out after ", timeout_s, " s waiting for ", what,
                                  ": ", first_line(msg)));
-    throw CommError(str_cat("smp: ", what, " failed: ", first_line(msg)));
+    throw CommError(str_cat("smp: ", what, " failed: ", with_peer_names(first_line(msg))));
   }
 }
 

@@ -31,6 +31,12 @@ using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
 
 // Waits for `work`; on failure or timeout throws CommError/TimeoutError naming `what`.
+// Note [Peers by address] (comm.cpp): `msg` with the host and ranks of each peer
+// address it names ("[10.0.0.2]:port"), where smp.init learned them; else `msg`.
+std::string with_peer_names(const std::string& msg);
+// Where each rank's address is (address -> "ranks 2-3 on host 'h1'"); smp.init.
+void set_peer_names(std::vector<std::pair<std::string, std::string>> by_address);
+
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, double timeout_s,
                const std::string& what);
 

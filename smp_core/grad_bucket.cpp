@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <mutex>
 
+#include "smp_core/comm.h"
 #include "smp_core/errors.h"
 
 namespace smp {
@@ -119,7 +120,8 @@ void wait_future(const FuturePtr& fut, double timeout_s, const std::string& what
   }
   if (fut->hasError()) {
     std::string msg = fut->tryRetrieveErrorMessage();
-    throw CommError(str_cat("smp: ", what, " failed: ", msg.substr(0, msg.find('\n'))));
+    throw CommError(
+        str_cat("smp: ", what, " failed: ", with_peer_names(msg.substr(0, msg.find('\n')))));
   }
 }
 

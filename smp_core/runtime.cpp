@@ -17,6 +17,7 @@
 #include "smp_common/env.h"
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/errors.h"
+#include "smp_core/liveness.h"
 #include "smp_core/net_interface.h"
 
 namespace smp {
@@ -289,6 +290,9 @@ Runtime& runtime() {
   return *g_runtime;
 }
 
-void shutdown() { g_runtime.reset(); }
+void shutdown() {
+  stop_liveness();
+  g_runtime.reset();
+}
 
 }  // namespace smp

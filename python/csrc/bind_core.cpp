@@ -11,6 +11,7 @@
 #include "smp_core/call_agreement.h"
 #include "smp_core/comm.h"
 #include "smp_core/config.h"
+#include "smp_core/liveness.h"
 #include "smp_core/net_interface.h"
 #include "smp_core/device_sync.h"
 #include "smp_core/errors.h"
@@ -34,6 +35,7 @@ ProcessEnv make_env(int rank, int world, int local_rank, int local_size) {
   // (Runtime::make_group) bind toward it, as torch's own did.
   const char* master = std::getenv("MASTER_ADDR");
   if (master && *master) e.master_addr = master;
+  e.master_port = env_int("MASTER_PORT", 0);
   return e;
 }
 
@@ -175,6 +177,9 @@ void bind_core(py::module_& m) {
             store, Groups{world_pg, pp_pg, dp_pg});
   });
   m.def("is_initialized", &is_initialized);
+  m.def("start_liveness", &start_liveness, release(),
+        "Note [Rank heartbeat]: collective at init; a line for the log, or ''.");
+  m.def("stop_liveness", &stop_liveness, release());
   m.def("shutdown", &shutdown, release());
 
   // Object transport: Python pickles, C++ moves bytes. Groups by name: world, pp/mp, dp.

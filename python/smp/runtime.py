@@ -121,6 +121,9 @@ def init(config=None):
         groups = create_groups(topo, rank, world, timeout)
     _C.install(cfg_json, rank, world, local_rank, local_size, store,
                groups["world"], groups["pp"], groups["dp"])
+    beating = _C.start_liveness()  # Note [Rank heartbeat] (smp_core/liveness.cpp)
+    if beating and rank == 0:
+        log.get_logger().info("smp: %s", beating)
     state.cfg = SimpleNamespace(**cfg)
     state.topology = topo
     state.rank, state.world_size = rank, world

@@ -150,12 +150,21 @@ class Hosts:
         return p
 
     def kill(self, i=None):
-        """SIGKILLs what was started in host i (every host by default)."""
+        """SIGKILLs every process in host i (every host by default): what was started
+        there, and whatever it started in sessions of its own (torchrun's ranks), found
+        by the namespace (`ip netns pids`). A host that dies loses them all."""
         for p in self.procs:
             if p.poll() is None and (i is None or p.args[3] == self.names[i]):
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
+                    pass
+        for ns in self.names if i is None else [self.names[i]]:
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in out.stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
                     pass
 
     # --- teardown ---------------------------------------------------------------------

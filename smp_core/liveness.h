@@ -12,7 +12,8 @@ namespace smp {
 // rank when the ranks' settings differ. Returns a line for the log ("" : not started).
 std::string start_liveness();
 
-// Stops the thread (if any) and marks this rank done, so that no peer reports it.
+// Stops the thread (if any) and marks this rank done, so that no peer reports it
+// (smp.shutdown, before the runtime goes; at the process's exit in any case).
 void stop_liveness();
 
 }  // namespace smp

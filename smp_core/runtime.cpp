@@ -17,7 +17,6 @@
 #include "smp_common/env.h"
 #include "smp_core/compat/torch_compat.h"
 #include "smp_core/errors.h"
-#include "smp_core/liveness.h"
 #include "smp_core/net_interface.h"
 
 namespace smp {
@@ -290,9 +289,6 @@ Runtime& runtime() {
   return *g_runtime;
 }
 
-void shutdown() {
-  stop_liveness();
-  g_runtime.reset();
-}
+void shutdown() { g_runtime.reset(); }
 
 }  // namespace smp

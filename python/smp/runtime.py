@@ -185,6 +185,7 @@ def shutdown():
         state.model._shutdown()
     _quiesce_native_threads()
     timeline.close()
+    _C.stop_liveness()  # Note [Rank heartbeat]: this rank ended normally
     _C.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -233,11 +233,30 @@ std::string start_liveness() {
     if (h != hosts[env.rank]) watched.emplace_back(ranks_of[h].front(), ranks_on(ranks_of[h], h));
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
   if (!attempt) attempt = std::getenv("SMP_RESTART_COUNT");
+  // Every rank beats or none does (a rank that cannot would be reported by the others):
+  // the outcomes are agreed before any thread judges.
+  std::unique_ptr<Liveness> mine;
+  std::string failed;
+  try {
+    mine = std::make_unique<Liveness>(
+        env.master_addr, env.master_port, str_cat("smp/alive/", attempt ? attempt : "0", "/"),
+        env.rank, std::move(watched), ranks_on(ranks_of[hosts[0]], hosts[0]),
+        str_cat("host '", hosts[env.rank], "'"), stale);
+  } catch (const std::exception& e) {
+    failed = e.what();
+    failed = failed.substr(0, failed.find('\n'));
+    if (failed.empty()) failed = "unknown error";
+  }
+  auto outcomes = allgather_bytes(rt.groups().world, failed, rt.config().timeout_s,
+                                  "the rank heartbeats' start (smp.init)");
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    if (outcomes[r].empty()) continue;
+    if (mine) mine->stop();
+    return str_cat("no rank heartbeats: rank ", r, " could not open its store connection to ",
+                   env.master_addr, ":", env.master_port, " (", outcomes[r], ")");
+  }
   std::lock_guard<std::mutex> lock(g_mu);
-  g_liveness = std::make_unique<Liveness>(
-      env.master_addr, env.master_port, str_cat("smp/alive/", attempt ? attempt : "0", "/"),
-      env.rank, std::move(watched), ranks_on(ranks_of[hosts[0]], hosts[0]),
-      str_cat("host '", hosts[env.rank], "'"), stale);
+  g_liveness = std::move(mine);
   return str_cat("rank heartbeats through the store at ", env.master_addr, ":", env.master_port,
                  ": a host silent for ", stale, " s stops the job (", order.size(),
                  " hosts; Note [Rank heartbeat])");

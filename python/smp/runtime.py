@@ -123,7 +123,8 @@ def init(config=None):
                groups["world"], groups["pp"], groups["dp"])
     beating = _C.start_liveness()  # Note [Rank heartbeat] (smp_core/liveness.cpp)
     if beating and rank == 0:
-        log.get_logger().info("smp: %s", beating)
+        log.get_logger().log(logging.WARNING if beating.startswith("no ") else logging.INFO,
+                             "smp: %s", beating)
     state.cfg = SimpleNamespace(**cfg)
     state.topology = topo
     state.rank, state.world_size = rank, world

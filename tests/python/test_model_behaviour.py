@@ -408,6 +408,22 @@ MID_BACKWARD = r"""
 import json, sys, time
 import torch, torch.nn as nn
 import smp
+def _stay_until_heard():
+    # The failing replica stays alive until every rank of the others has printed its
+    # outcome (each leaves a file when done), so the others hear of the failure from
+    # the step's own collectives, never from this process's exit; 8 s at most.
+    import glob, os
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and \
+            len(glob.glob(os.path.join(os.getcwd(), "heard.*"))) < smp.pp_size():
+        time.sleep(0.05)
+
+
+def _heard():
+    import os
+    if smp.dp_rank() == 0:
+        open(os.path.join(os.getcwd(), f"heard.{smp.rank()}"), "w").close()
+
 opts = json.loads(sys.argv[1])
 smp.init(dict(opts["cfg"], timeout_s=120))
 torch.manual_seed(0)
@@ -448,8 +464,9 @@ for step in range(3):
         print("STEP", step, type(e).__name__, str(e).splitlines()[0],
               "after %.1f s" % (time.monotonic() - t), flush=True)
         if fail_now[0]:
-            time.sleep(8)  # alive: the others must hear of it, not see this process exit
+            _stay_until_heard()
         break
+_heard()
 """
 
 
@@ -485,6 +502,22 @@ ACCUMULATING = r"""
 import json, sys, time
 import torch, torch.nn as nn
 import smp
+def _stay_until_heard():
+    # The failing replica stays alive until every rank of the others has printed its
+    # outcome (each leaves a file when done), so the others hear of the failure from
+    # the step's own collectives, never from this process's exit; 8 s at most.
+    import glob, os
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and \
+            len(glob.glob(os.path.join(os.getcwd(), "heard.*"))) < smp.pp_size():
+        time.sleep(0.05)
+
+
+def _heard():
+    import os
+    if smp.dp_rank() == 0:
+        open(os.path.join(os.getcwd(), f"heard.{smp.rank()}"), "w").close()
+
 opts = json.loads(sys.argv[1])
 smp.init(dict(opts["cfg"], timeout_s=120))
 torch.manual_seed(0)
@@ -511,8 +544,9 @@ for step in range(6):
         print("STEP", step, type(e).__name__, str(e).splitlines()[0],
               "after %.1f s" % (time.monotonic() - t), flush=True)
         if bad:
-            time.sleep(8)  # alive: the others must hear of it, not see this process exit
+            _stay_until_heard()
         break
+_heard()
 """
 
 

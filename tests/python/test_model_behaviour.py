@@ -404,14 +404,12 @@ def test_gpt_example_through_smprun(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["newest", "step2_partial"], os.listdir(tmp_path)
 
 
-MID_BACKWARD = r"""
-import json, sys, time
-import torch, torch.nn as nn
-import smp
+# The failing replica of the two scripts below stays alive until every rank of the
+# other replica has printed its outcome (each leaves a file when done), so the others
+# hear of the failure from the step's own collectives, never from this process's exit;
+# 8 s at most.
+STAY_UNTIL_HEARD = r"""
 def _stay_until_heard():
-    # The failing replica stays alive until every rank of the others has printed its
-    # outcome (each leaves a file when done), so the others hear of the failure from
-    # the step's own collectives, never from this process's exit; 8 s at most.
     import glob, os
     deadline = time.monotonic() + 8
     while time.monotonic() < deadline and \
@@ -423,7 +421,13 @@ def _heard():
     import os
     if smp.dp_rank() == 0:
         open(os.path.join(os.getcwd(), f"heard.{smp.rank()}"), "w").close()
+"""
 
+MID_BACKWARD = r"""
+import json, sys, time
+import torch, torch.nn as nn
+import smp
+""" + STAY_UNTIL_HEARD + r"""
 opts = json.loads(sys.argv[1])
 smp.init(dict(opts["cfg"], timeout_s=120))
 torch.manual_seed(0)
@@ -502,22 +506,7 @@ ACCUMULATING = r"""
 import json, sys, time
 import torch, torch.nn as nn
 import smp
-def _stay_until_heard():
-    # The failing replica stays alive until every rank of the others has printed its
-    # outcome (each leaves a file when done), so the others hear of the failure from
-    # the step's own collectives, never from this process's exit; 8 s at most.
-    import glob, os
-    deadline = time.monotonic() + 8
-    while time.monotonic() < deadline and \
-            len(glob.glob(os.path.join(os.getcwd(), "heard.*"))) < smp.pp_size():
-        time.sleep(0.05)
-
-
-def _heard():
-    import os
-    if smp.dp_rank() == 0:
-        open(os.path.join(os.getcwd(), f"heard.{smp.rank()}"), "w").close()
-
+""" + STAY_UNTIL_HEARD + r"""
 opts = json.loads(sys.argv[1])
 smp.init(dict(opts["cfg"], timeout_s=120))
 torch.manual_seed(0)

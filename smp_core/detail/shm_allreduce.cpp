@@ -103,15 +103,18 @@ std::shared_ptr<ShmArena> ShmArena::create(const ProcessGroupPtr& pg, size_t slo
                                            std::shared_ptr<const HostLinks> links) {
   const int world = pg->getSize(), rank = pg->getRank();
   if (world < 2) return nullptr;
-  const bool enabled = env_flag("SMP_REDUCER_SHM", true,
-                                "the ranks of one host sum buckets in shared memory; 0: "
-                                "through the process group");
   // Every rank decides from the same allgathered data: all or none use the segment.
-  // Without links every rank must be on this host; with them, the links say who is.
-  auto ids = allgather_bytes(pg, (enabled ? "1|" : "0|") + host_identity(), timeout_s,
-                             what + " (host check)");
-  for (const auto& id : ids)
-    if (id[0] != '1' || (!links && id != ids[0])) return nullptr;
+  // Without links every rank must be on this host; links were made from the same
+  // identities and flags (make_host_links), and say who is.
+  if (!links) {
+    const bool enabled = env_flag("SMP_REDUCER_SHM", true,
+                                  "the ranks of one host sum buckets in shared memory; 0: "
+                                  "through the process group");
+    auto ids = allgather_bytes(pg, (enabled ? "1|" : "0|") + host_identity(), timeout_s,
+                               what + " (host check)");
+    for (const auto& id : ids)
+      if (id != ids[0] || id[0] != '1') return nullptr;
+  }
 
   // This host's ranks of the group, in group order; the first creates the segment.
   std::vector<int> members;

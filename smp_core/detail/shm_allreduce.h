@@ -50,7 +50,7 @@ struct HostLinks {
 
 class ShmArena : public std::enable_shared_from_this<ShmArena> {
  public:
-  // Collective over `pg` (two allgathers and a broadcast, from the calling thread):
+  // Collective over `pg` (two or three allgathers, from the calling thread):
   // every rank gets an arena with a slot of `slot_bytes` per rank, or every rank gets
   // null: world size 1, a rank on another host (hostname and boot id differ),
   // SMP_REDUCER_SHM=0 on any rank, or the segment could not be created (/dev/shm full).

@@ -4,7 +4,8 @@
 // Node 0's launcher (the coordinator) listens on master_addr:(master_port + 1); every
 // other node's launcher (a worker) connects, retrying until --rdzv_timeout. Each message
 // is one JSON object on one line, field "t" is its type:
-//   worker -> coord  hello {v, job, nnodes, nproc, node}   first message; must match node 0
+//   worker -> coord  hello {v, job, nnodes, nproc, node, max_restarts}
+//                                                        first message; must match node 0
 //   coord -> worker  welcome {}                            handshake accepted
 //   coord -> worker  abort {msg, code}                     fatal (mismatch, timeout): print, exit
 //   coord -> worker  start {attempt}                       start local ranks, SMP_RESTART_COUNT
@@ -17,7 +18,9 @@
 // A peer silent for --heartbeat_timeout seconds, or whose socket reaches EOF, is lost. The
 // coordinator alone decides: the first failure it learns of (its own ranks or a worker's
 // fail) is broadcast with stop; after every node answers stopped it sends start n+1
-// (restart) or exit. A worker stops its own ranks on a local failure without waiting for
+// (restart) or exit. A lost node is a failure too: with restarts left, node 0 waits for
+// it to join again first (Note [Rejoining after a lost node], coordinator.cpp). A worker
+// stops its own ranks on a local failure without waiting for
 // stop, so a failure stops the job in one round trip.
 #pragma once
 

@@ -36,6 +36,12 @@ class Coordinator : public Session {
 
  private:
   int rendezvous();
+  // Drops the peers that were lost; "" when none was, else their node ranks ("1, 3").
+  std::string drop_lost_peers();
+  bool may_restart(const Failure& failure) const {
+    return failure.restartable() && !fatal_ && exit_signal_ == 0 &&
+           attempt_ < options_.max_restarts;
+  }
   std::string check_hello(const json& m) const;
   std::optional<Failure> run_attempt();
   void wait_stopped();
@@ -46,7 +52,8 @@ class Coordinator : public Session {
   int abort_all(const std::string& msg, int code);
 
   std::vector<Peer> peers_;
-  // A node was lost or a launcher was signalled: the job ends, no restart.
+  // The job ends, no restart: a launcher was signalled, a message was malformed, or a
+  // node did not confirm that its ranks stopped.
   bool fatal_ = false;
 };
 
@@ -66,6 +73,10 @@ std::string Coordinator::check_hello(const json& m) const {
   if (m.at("nproc").get<int>() != options_.nproc_per_node)
     return who + " has --nproc_per_node " + std::to_string(m.at("nproc").get<int>()) +
            " but node 0 has " + std::to_string(options_.nproc_per_node);
+  // A worker decides alone whether to rejoin after losing node 0, so the counts must agree.
+  if (m.value("max_restarts", options_.max_restarts) != options_.max_restarts)
+    return who + " has --max_restarts " + std::to_string(m.value("max_restarts", 0)) +
+           " but node 0 has " + std::to_string(options_.max_restarts);
   if (node < 1 || node >= options_.nnodes)
     return "a launcher connected with --node_rank " + std::to_string(node) + ", expected 1.." +
            std::to_string(options_.nnodes - 1);
@@ -196,7 +207,6 @@ std::optional<Failure> Coordinator::run_attempt() {
         }
       }
       if (p.channel->lost()) {
-        fatal_ = true;
         return Failure::node_lost(p.node, p.channel->lost_reason(),
                                   Failure::node_place(p.host, p.node, options_.nproc_per_node));
       }
@@ -224,7 +234,6 @@ void Coordinator::wait_stopped() {
         json m = p.channel->pop();
         if (m.value("t", "") == "stopped" && m.value("attempt", -1) == attempt_) p.stopped = true;
       }
-      if (p.channel->lost() && !p.stopped) fatal_ = true;
     }
     if (now_s() > deadline) {
       for (auto& p : peers_) {
@@ -236,6 +245,30 @@ void Coordinator::wait_stopped() {
       return;
     }
   }
+}
+
+// Note [Rejoining after a lost node]
+// A node whose launcher is lost (its host died, or its link was cut for longer than
+// --heartbeat_timeout) is a failure like a rank's: with restarts left, node 0 stops the
+// other nodes' ranks and its own, forgets the lost launcher, and listens again as at the
+// start, until --rdzv_timeout, for a launcher with the same --node_rank. The lost node's
+// launcher, if it is alive (a cut link), has stopped its own ranks on losing node 0 and
+// connects again by itself; a host that restarted runs smprun again. Then node 0 starts
+// the next attempt everywhere, which resumes from the newest checkpoint
+// (Note [Automatic resume]). Both sides count the restart: hello carries --max_restarts
+// and node 0 refuses a node whose count differs. Without restarts left a lost node ends
+// the job, as before.
+std::string Coordinator::drop_lost_peers() {
+  std::string lost;
+  for (size_t i = 0; i < peers_.size();) {
+    if (peers_[i].channel->lost()) {
+      lost += (lost.empty() ? "" : ", ") + std::to_string(peers_[i].node);
+      peers_.erase(peers_.begin() + static_cast<long>(i));
+    } else {
+      ++i;
+    }
+  }
+  return lost;
 }
 
 int Coordinator::finish(int code, const std::string& text) {
@@ -267,10 +300,17 @@ int Coordinator::run() {
     bool own_signal = failure->kind == FailureKind::kLauncherSignal && failure->node == 0;
     group_.stop(own_signal ? failure->signal : SIGTERM);
     wait_stopped();
-    if (failure->restartable() && !fatal_ && exit_signal_ == 0 &&
-        attempt_ < options_.max_restarts) {
-      say("restarting the job (restart " + std::to_string(attempt_ + 1) + " of " +
-          std::to_string(options_.max_restarts) + ")");
+    if (may_restart(*failure)) {
+      const std::string restart = "restart " + std::to_string(attempt_ + 1) + " of " +
+                                  std::to_string(options_.max_restarts);
+      const std::string lost = drop_lost_peers();
+      if (!lost.empty()) {
+        say("waiting for node ranks " + lost + " to join again before " + restart +
+            " (until --rdzv_timeout)");
+        int rc = rendezvous();
+        if (rc >= 0) return rc;
+      }
+      say("restarting the job (" + restart + ")");
       continue;
     }
     int code = exit_signal_ != 0 ? 128 + exit_signal_ : failure->job_exit_code();

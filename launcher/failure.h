@@ -43,8 +43,9 @@ struct Failure {
   static std::string node_place(const std::string& host, int node, int nproc);
   static Failure launcher_signal(int node, int sig);
 
-  // Only rank failures are restarted by --max_restarts; a lost node or a signal ends the job.
-  bool restartable() const { return kind == FailureKind::kRankExit; }
+  // A failed rank and a lost node are restarted by --max_restarts (a lost node once it
+  // has joined again, Note [Rejoining after a lost node]); a signal ends the job.
+  bool restartable() const { return kind != FailureKind::kLauncherSignal; }
   // Exit status of every launcher when this failure ends the job: 128+sig for a signal to
   // a launcher, else kExitFailure (1).
   int job_exit_code() const;

@@ -34,6 +34,9 @@ class Worker : public Session {
  private:
   int join();
   int run_attempt();
+  // After losing node 0: -1 to join again (restarts left, Note [Rejoining after a lost
+  // node] in coordinator.cpp), else the exit status. The ranks are stopped already.
+  int after_losing_coordinator();
   int stop_and_exit(int code, const std::string& text);
   std::string coordinator() const { return host_port(options_.master_addr, master_port_ + 1); }
 
@@ -100,6 +103,7 @@ int Worker::join() {
                   {"nnodes", options_.nnodes},
                   {"nproc", options_.nproc_per_node},
                   {"node", options_.node_rank},
+                  {"max_restarts", options_.max_restarts},
                   {"host", this_host()}});
   for (;;) {
     pump(0.5);
@@ -183,9 +187,7 @@ int Worker::run_attempt() {
           std::to_string(options_.node_rank));
       if (group_.first_failure()) report(*group_.first_failure());
       wait_idle();
-      Failure f = Failure::node_lost(0, channel_->lost_reason(), place);
-      say(summary(&f));
-      return exit_signal_ != 0 ? 128 + exit_signal_ : kExitFailure;
+      return after_losing_coordinator();
     }
     if (reported) continue;
     if (group_.first_failure()) {
@@ -202,10 +204,27 @@ int Worker::run_attempt() {
   }
 }
 
+int Worker::after_losing_coordinator() {
+  const std::string place = Failure::node_place(coordinator_host_, 0, options_.nproc_per_node);
+  if (exit_signal_ == 0 && attempt_ < options_.max_restarts) {
+    say("joining node 0 at " + coordinator() + " again for restart " +
+        std::to_string(attempt_ + 1) + " of " + std::to_string(options_.max_restarts) +
+        " (until --rdzv_timeout)");
+    channel_.reset();
+    return -1;
+  }
+  Failure f = Failure::node_lost(0, channel_->lost_reason(), place);
+  say(summary(&f));
+  return exit_signal_ != 0 ? 128 + exit_signal_ : kExitFailure;
+}
+
 int Worker::run() {
-  int rc = join();
-  if (rc >= 0) return rc;
+  int rc = -1;
   for (;;) {
+    if (!channel_) {
+      rc = join();
+      if (rc >= 0) return rc;
+    }
     if (exit_signal_ != 0) {
       say("received " + signal_name(exit_signal_) + "; leaving the job");
       channel_->close_gracefully(1.0);
@@ -231,10 +250,11 @@ int Worker::run() {
       if (t == "abort")
         return stop_and_exit(m.value("code", kExitFailure), "error: " + m.value("msg", ""));
     }
-    if (channel_->lost()) {
+    if (channel_ && channel_->lost()) {
       say("error: lost the coordinator (node 0) at " + coordinator() + " (" +
-          channel_->lost_reason() + ")");
-      return kExitFailure;
+          channel_->lost_reason() + ") between attempts");
+      rc = after_losing_coordinator();
+      if (rc >= 0) return rc;
     }
   }
 }

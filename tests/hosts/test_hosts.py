@@ -225,6 +225,130 @@ def test_lost_host_is_named_by_every_launcher(tmp_path, fault):
             assert lost in out, out
 
 
+RESUME = r"""
+import json, os, socket, sys, time
+import torch, torch.nn as nn
+import smp
+out, plan = sys.argv[1], json.loads(sys.argv[2])
+attempt = int(os.environ["SMP_RESTART_COUNT"])
+smp.init({"partitions": 2, "microbatches": 2, "ddp": True, "placement_strategy": "cluster",
+          "timeout_s": 60})
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.GELU(), nn.Linear(32, 4))
+model = smp.DistributedModel(net)
+opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2))
+
+@smp.step
+def train(x, y):
+    loss = nn.functional.cross_entropy(model(x), y)
+    model.backward(loss)
+    return loss
+
+first_real = None
+for step in range(10):
+    if attempt == 0 and step == plan.get("cut_at"):
+        # Host 1's ranks stop here; host 0's go on into the step and wait in a collective
+        # for them, so the cut finds them inside Gloo.
+        if socket.gethostname() == "host1":
+            open(plan["paused"], "w").close()
+            time.sleep(3600)
+    g = torch.Generator().manual_seed(1000 * step + smp.dp_rank())
+    loss = train(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+    opt.step()
+    opt.zero_grad()
+    if first_real is None and loss.reduce_mean().item() == loss.reduce_mean().item():
+        first_real = step  # not NaN: computed, not fast-forwarded
+    if step % 3 == 2:
+        smp.save_checkpoint(os.environ["SMP_CHECKPOINT_DIR"], tag=f"step{step + 1}")
+final = model.state_dict()
+if smp.rank() == 0:
+    torch.save(final, out)
+    print("RESUMED", json.dumps({"attempt": attempt, "first_real_step": first_real}), flush=True)
+"""
+
+
+def _resume_job(tmp_path, plan, during=None):
+    """RESUME on 2 hosts x 2 ranks under --max_restarts 1; `during(hosts, procs, lines)`
+    runs while it does. Returns (final weights, RESUMED info, each launcher's lines)."""
+    import threading
+    import torch
+    tmp_path.mkdir(exist_ok=True)
+    out = tmp_path / "final.pt"
+    with netns.Hosts(2) as hosts:
+        procs = _start(hosts, tmp_path, RESUME, (out, json.dumps(plan)),
+                       launcher_args=("--max_restarts", 1, "--checkpoint_dir",
+                                      tmp_path / "ckpt"))
+        lines = [[], []]  # (monotonic time, line) as they come
+
+        def read(i):
+            for line in procs[i].stdout:
+                lines[i].append((time.monotonic(), line.rstrip()))
+        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+        for r in readers:
+            r.start()
+        if during:
+            during(hosts, procs, lines)
+        for i, p in enumerate(procs):
+            rc = p.wait(timeout=120)
+            readers[i].join(timeout=10)
+            assert rc == 0, "\n".join(ln for _, ln in lines[i])
+    said = [ln.split("RESUMED ", 1)[1] for _, ln in lines[0] if "RESUMED " in ln]
+    assert said, "\n".join(ln for _, ln in lines[0])
+    return torch.load(out), json.loads(said[0]), lines
+
+
+def _wait_for(lines, text, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hit = [t for t, ln in list(lines) if text in ln]
+        if hit:
+            return hit[0]
+        time.sleep(0.1)
+    raise AssertionError(f"not said within {timeout} s: {text}\n" +
+                         "\n".join(ln for _, ln in lines))
+
+
+# Note [Rejoining after a lost node] (launcher/coordinator.cpp): host 1's link is cut
+# while host 0's ranks wait for it inside a collective; both launchers stop their ranks,
+# node 1's keeps trying to reach node 0, which listens again; the link comes back, and
+# the job restarts from the newest checkpoint (step 6) and ends bitwise equal to the run
+# that was never cut. Times printed, not asserted.
+def test_restart_after_a_restored_cut_resumes_bitwise(tmp_path):
+    paused = tmp_path / "cut" / "paused"
+
+    def cut_then_restore(hosts, procs, lines):
+        deadline = time.monotonic() + 90
+        while not paused.exists():
+            assert time.monotonic() < deadline and procs[0].poll() is None, \
+                "\n".join(ln for _, ln in lines[0] + lines[1])
+            time.sleep(0.1)
+        time.sleep(0.5)  # host 0's ranks are inside the step's collectives by now
+        t0 = time.monotonic()
+        hosts.cut(1)
+        t_coord = _wait_for(lines[0], "waiting for node ranks 1 to join again", 30)
+        t_worker = _wait_for(lines[1], "joining node 0 at 10.77.0.1:29501 again", 30)
+        time.sleep(2)  # node 1's launcher tries, and fails, while the link is down
+        hosts.restore(1)
+        t_back = time.monotonic()
+        t_restart = _wait_for(lines[0], "restarting the job (restart 1 of 1)", 60)
+        print(f"restored cut: node 0 noticed after {t_coord - t0:.1f} s, node 1 after "
+              f"{t_worker - t0:.1f} s; restarted {t_restart - t_back:.1f} s after the link "
+              f"came back")
+
+    final, info, lines = _resume_job(tmp_path / "cut", {"cut_at": 7, "paused": str(paused)},
+                                     cut_then_restore)
+    assert info == {"attempt": 1, "first_real_step": 6}, info
+    out0 = "\n".join(ln for _, ln in lines[0])
+    assert "host 'host1', ranks 2-3" in out0, out0
+    assert "restarts used: 1 of 1" in out0, out0
+    ref, ref_info, _ = _resume_job(tmp_path / "ref", {})
+    assert ref_info == {"attempt": 0, "first_real_step": 0}, ref_info
+    import torch
+    assert final.keys() == ref.keys()
+    for k in final:
+        assert torch.equal(final[k], ref[k]), k
+
+
 # A host that cannot reach the master at start: each launcher names the other side
 # within kRendezvousNoticeS (10 s) and keeps trying (nodes may start minutes apart)
 # until --rdzv_timeout, then exits naming it. Times printed, not asserted.

@@ -441,6 +441,32 @@ def test_silent_node_is_lost_after_heartbeat_timeout(tmp_path, launchers):
     assert_all_dead(recorded)
 
 
+# Note [Rejoining after a lost node]: with a restart left, node 0 waits for a lost node
+# to join again (here a new launcher, as after a host's reboot) and restarts the job.
+def test_lost_node_joins_again_under_max_restarts(tmp_path, launchers):
+    port = free_port_pair()
+    pids = tmp_path / "pids"
+    job = ["--max_restarts", 1, "--grace_period", 1, SCRIPTS / "rejoin_job.py", pids]
+    n0 = Launcher(node_args(0, port) + job, tmp_path, "n0")
+    n1 = Launcher(node_args(1, port) + job, tmp_path, "n1")
+    launchers.extend([n0, n1])
+    recorded = wait_for_pids(pids, 4)
+    n1.proc.send_signal(signal.SIGKILL)
+    n1.proc.wait()
+    deadline = time.monotonic() + 15
+    while "to join again" not in n0.err and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "waiting for node ranks 1 to join again before restart 1 of 1" in n0.err, n0.err
+    again = Launcher(node_args(1, port) + job, tmp_path, "again")
+    launchers.append(again)
+    assert n0.wait(timeout=30) == 0, n0.err
+    assert again.wait(timeout=15) == 0, again.err
+    assert "the launcher of node 1 was lost (connection closed)" in n0.err
+    assert "restarts used: 1 of 1" in n0.err and "restarts used: 1 of 1" in again.err
+    assert "[2] rank 2 attempt 1" in again.out and "[0] rank 0 attempt 1" in n0.out
+    assert_all_dead(recorded)
+
+
 @pytest.mark.parametrize("target", [0, 1])
 def test_sigterm_to_either_node_stops_the_job(tmp_path, launchers, target):
     port = free_port_pair()
@@ -465,6 +491,18 @@ def test_mismatched_nodes_fail_on_both(tmp_path, launchers):
     assert rc == 2 and message in err, err
     assert n1.wait() == 2 and message in n1.err, n1.err
     assert "ENV" not in out + n1.out
+
+
+def test_mismatched_max_restarts_fail_on_both(tmp_path, launchers):
+    # A node decides alone whether to join again after losing node 0: the counts must agree.
+    port = free_port_pair()
+    n1 = Launcher(node_args(1, port) + ["--max_restarts", 1, SCRIPTS / "env_dump.py"], tmp_path,
+                  "n1")
+    launchers.append(n1)
+    rc, out, err, _ = run(node_args(0, port) + [SCRIPTS / "env_dump.py"])
+    message = "node 1 has --max_restarts 1 but node 0 has 0"
+    assert rc == 2 and message in err, err
+    assert n1.wait() == 2 and message in n1.err, n1.err
 
 
 def test_coordinator_that_never_appears_is_named():

@@ -36,7 +36,7 @@ TEST(Failure, KilledBySignal) {
 TEST(Failure, NodeLostAndLauncherSignal) {
   Failure lost = Failure::node_lost(1, "connection closed");
   EXPECT_EQ(lost.describe(), "the launcher of node 1 was lost (connection closed)");
-  EXPECT_FALSE(lost.restartable());
+  EXPECT_TRUE(lost.restartable());  // once it joins again (Note [Rejoining after a lost node])
   EXPECT_EQ(lost.job_exit_code(), 1);
   // With the node's place: its host name and ranks, carried through the control channel.
   Failure placed = Failure::node_lost(1, "no heartbeat for 5 s", Failure::node_place("h1", 1, 2));

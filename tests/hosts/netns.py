@@ -5,11 +5,12 @@ a veth pair to a bridge in a switch namespace) and loopback; commands run in it 
 their own UTS namespace, so they see the host name `host<i>`, which resolves to nothing
 (as in containers). As far as the kernel's network stack is concerned these are separate
 hosts: traffic between them crosses the veth pairs and the bridge, where it can be
-shaped (`tc netem`: delay, rate, loss) and cut.
+shaped (a rate with tc `tbf`, loss with nftables, a delay with `linkdelay`, a forwarder
+of our own: this kernel has no `tc netem`) and cut.
 
     with Hosts(2) as hosts:           # skips nothing: raises Unavailable with the reason
         p = hosts.popen(0, ["smprun", ...], env=...)
-        hosts.shape(1, delay_ms=20)   # both directions of host 1's link
+        hosts.shape(1, delay_ms=20)   # host 1's link: +20 ms each way, +40 ms a round trip
         hosts.cut(1); hosts.restore(1)
 
 Everything is removed on exit, on an exception and on SIGINT/SIGTERM (the namespaces,
@@ -21,6 +22,7 @@ GLOO_SOCKET_IFNAME=eth0 set, and waits for all of them.
 """
 import atexit
 import os
+import select
 import shlex
 import signal
 import subprocess
@@ -29,6 +31,7 @@ import sys
 __all__ = ["Hosts", "Unavailable"]
 
 SUBNET = "10.77.0"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Unavailable(RuntimeError):
@@ -67,6 +70,7 @@ class Hosts:
         self.switch = f"{tag}sw"
         self.names = [f"{tag}h{i}" for i in range(n)]
         self.procs = []
+        self._delays = {}  # host index -> its link's linkdelay process
         self._up = False
 
     # --- the network ------------------------------------------------------------------
@@ -98,13 +102,19 @@ class Hosts:
         return self
 
     def shape(self, i, delay_ms=None, rate_mbit=None, loss_pct=None):
-        """Shapes both ends of host i's link: a rate with tc `tbf`, loss with an nftables
-        rule dropping that share of the packets each end sends (`numgen random`), and
-        delay with tc `netem`. This machine's kernel has neither netem nor fq (tc says
-        "Specified qdisc kind is unknown"), so a delay raises Unavailable, naming it."""
-        if delay_ms:
-            raise Unavailable("tc netem is not available here (this kernel has no "
-                              "sch_netem): links cannot be given a delay")
+        """Shapes host i's link; None leaves that property as it is, shape() again
+        replaces it. A rate with tc `tbf` and loss with an nftables rule dropping that
+        share of the packets each end sends (`numgen random`), on both ends (host i's
+        eth0 and the switch's port). A delay: every frame crossing the link, in either
+        direction, arrives `delay_ms` (a float; 0 removes it) later than it would, so
+        host i's round trip to any other host gains 2 * delay_ms (4 * delay_ms between
+        two hosts delayed so). This kernel has no `tc netem`, so the switch's port is
+        taken off the bridge and joined to it through `linkdelay` (tests/hosts/
+        linkdelay.cpp, built into $SMP_BUILD_DIR/tests), which holds each frame in a
+        FIFO per direction (order kept; beyond 32 MiB waiting it drops, as a router
+        does). Raises Unavailable where a shaping cannot be had here, naming why."""
+        if delay_ms is not None:
+            self._delay(i, delay_ms)
         ends = ((self.names[i], "eth0"), (self.switch, self._port(i)))
         if rate_mbit:
             for ns, dev in ends:
@@ -132,11 +142,56 @@ class Hosts:
                     raise Unavailable(f"nftables cannot drop packets here "
                                       f"({out.stderr.strip()}): links cannot be made lossy")
 
+    def _delay_ends(self, i):  # linkdelay's end of the veth to the bridge, the bridge's
+        return f"s{os.getpid() % 100000}d{i}", f"s{os.getpid() % 100000}b{i}"
+
+    def _delay(self, i, delay_ms):
+        self._stop_delay(i)
+        fwd, bridged = self._delay_ends(i)
+        if not delay_ms:
+            if _ip("-n", self.switch, "link", "show", fwd, check=False).returncode == 0:
+                _ip("-n", self.switch, "link", "del", fwd)  # its peer goes with it
+                _ip("-n", self.switch, "link", "set", self._port(i), "master", "br0")
+            return
+        build = os.path.abspath(os.environ.get("SMP_BUILD_DIR", os.path.join(REPO, "build")))
+        binary = os.path.join(build, "tests", "linkdelay")
+        if not os.access(binary, os.X_OK):
+            raise Unavailable(f"{binary} is not built (cmake --build {build} --target "
+                              "linkdelay): links cannot be given a delay")
+        if _ip("-n", self.switch, "link", "show", fwd, check=False).returncode != 0:
+            _ip("-n", self.switch, "link", "add", fwd, "type", "veth", "peer", "name", bridged)
+            _ip("-n", self.switch, "link", "set", self._port(i), "nomaster")
+            _ip("-n", self.switch, "link", "set", bridged, "master", "br0")
+            for dev in (bridged, fwd):
+                _ip("-n", self.switch, "link", "set", dev, "up")
+        p = subprocess.Popen(["ip", "netns", "exec", self.switch, binary, self._port(i), fwd,
+                              str(int(round(delay_ms * 1000)))], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+        self._delays[i] = p
+        line = p.stdout.readline().strip() if select.select([p.stdout], [], [], 10)[0] else ""
+        if line != "ready":
+            self._stop_delay(i)
+            raise RuntimeError(f"linkdelay for host {i}'s link did not start: "
+                               f"{line or 'no answer in 10 s'}")
+
+    def _stop_delay(self, i):
+        p = self._delays.pop(i, None)
+        if p is not None:
+            p.kill()  # it holds nothing that needs cleaning up
+            p.wait()
+            p.stdout.close()
+
     def cut(self, i):
-        _ip("-n", self.switch, "link", "set", self._port(i), "down")
+        # Where linkdelay is in the path its end goes down too: frames it holds are lost.
+        for dev in self._link_devs(i):
+            _ip("-n", self.switch, "link", "set", dev, "down")
 
     def restore(self, i):
-        _ip("-n", self.switch, "link", "set", self._port(i), "up")
+        for dev in self._link_devs(i):
+            _ip("-n", self.switch, "link", "set", dev, "up")
+
+    def _link_devs(self, i):
+        return [self._port(i)] + ([self._delay_ends(i)[0]] if i in self._delays else [])
 
     # --- processes --------------------------------------------------------------------
     def command(self, i, argv):
@@ -173,6 +228,8 @@ class Hosts:
             return
         self._up = False
         self.kill()
+        for i in list(self._delays):
+            self._stop_delay(i)
         for p in self.procs:
             try:
                 p.wait(timeout=10)

@@ -434,3 +434,59 @@ def test_fault_under_torchrun_is_named_by_every_rank(tmp_path, fault):
             print(f"torchrun {fault}: host{i}: first said after {named[0][0]:.1f} s: "
                   f"{named[0][1][:300]}; torchrun exited {rc} after "
                   f"{time.monotonic() - t0:.1f} s")
+
+
+# The harness itself: a delay (no netem in this kernel: tests/hosts/linkdelay.cpp
+# forwards host 1's link). D each way, so a TCP round trip between the hosts takes at
+# least 2 D; bytes cross and come back intact; delay 0 puts the link back on the bridge.
+ECHO = r"""
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 5001)); s.listen(4)
+while True:
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (b := c.recv(1 << 16)):
+        c.sendall(b)
+    c.close()
+"""
+ECHO_CLIENT = r"""
+import json, os, socket, sys, threading, time
+for _ in range(100):
+    try:
+        c = socket.create_connection((sys.argv[1], 5001)); break
+    except OSError: time.sleep(0.05)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(5):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
+data = os.urandom(4 << 20)
+threading.Thread(target=c.sendall, args=(data,), daemon=True).start()
+back = bytearray()
+while len(back) < len(data) and (b := c.recv(1 << 20)):
+    back += b
+print(json.dumps({"rtts": rtts, "intact": bytes(back) == data}))
+"""
+
+
+def test_delayed_link():
+    delay = 0.020
+    with netns.Hosts(2) as hosts:
+        hosts.popen(1, [sys.executable, "-c", ECHO])
+
+        def round_trips():
+            out = subprocess.run(hosts.command(0, [sys.executable, "-c", ECHO_CLIENT,
+                                                   hosts.addr(1)]),
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            got = json.loads(out.stdout)
+            assert got["intact"]
+            return min(got["rtts"])
+
+        hosts.shape(1, delay_ms=delay * 1000)
+        delayed = round_trips()
+        hosts.shape(1, delay_ms=0)
+        plain = round_trips()
+        print(f"TCP round trip: {delayed * 1e3:.2f} ms with {delay * 1e3:.0f} ms each way, "
+              f"{plain * 1e3:.2f} ms without")
+        assert 2 * delay <= delayed < 4 * delay
+        assert plain < delay

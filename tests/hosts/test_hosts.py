@@ -191,14 +191,15 @@ for i in range(100000):
 """
 
 
-# "lossy_cut": host 1's link drops 2% of the packets each way from the start (the
-# rendezvous and the training go through it), then is cut (a cut of a clean link
+# "slow_lossy_cut": host 1's link holds every frame 20 ms each way (a 40 ms round
+# trip) and drops 2% of them from the start (the rendezvous and the training go
+# through it), then is cut during the training's collectives (a cut of a clean link
 # behaves the same: 5.1 s on both sides, docs/hosts.md).
-@pytest.mark.parametrize("fault", ["killed", "lossy_cut"])
+@pytest.mark.parametrize("fault", ["killed", "slow_lossy_cut"])
 def test_lost_host_is_named_by_every_launcher(tmp_path, fault):
     with netns.Hosts(2) as hosts:
-        if fault == "lossy_cut":
-            hosts.shape(1, loss_pct=2)
+        if fault == "slow_lossy_cut":
+            hosts.shape(1, delay_ms=20, loss_pct=2)
         procs = _start(hosts, tmp_path, LOOP)
         # Both hosts train before the fault.
         deadline = time.monotonic() + 60
@@ -399,6 +400,8 @@ def test_fault_under_torchrun_is_named_by_every_rank(tmp_path, fault):
     env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"), OMP_NUM_THREADS="1",
                GLOO_SOCKET_IFNAME="eth0", SMP_JOB_SECRET=secrets.token_hex(32))
     with netns.Hosts(2) as hosts:
+        if fault == "cut":
+            hosts.shape(1, delay_ms=20)  # a 40 ms round trip; the cut comes mid-collective
         procs = [hosts.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2,
                                  "--node_rank", i, "--nproc_per_node", 2, "--master_addr",
                                  hosts.addr(0), "--master_port", 29500, path],

@@ -59,7 +59,7 @@ def _split_tensor(t, num_mb, axis, where):
     if t.dim() == 0:
         return [t] * num_mb  # scalars go whole to every microbatch
     if axis >= t.dim() or axis < -t.dim():
-        raise ValueError(f"smp.step: input {where} has {t.dim()} dims; split axis {axis} is "
+        raise ConfigError(f"smp.step: input {where} has {t.dim()} dims; split axis {axis} is "
                          f"out of range (set input_split_axes)")
     size = t.size(axis)
     if size == 0:
@@ -70,8 +70,8 @@ def _split_tensor(t, num_mb, axis, where):
         raise ConfigError(f"smp.step: input {where} has batch size {size} along axis "
                                f"{axis}, smaller than microbatches={num_mb} (allowed: a "
                                f"multiple of {num_mb})")
-    if size % num_mb != 0:
-        raise ValueError(f"smp.step: input {where} has size {size} along axis {axis}, not "
+    if size % num_mb != 0:  # ConfigError on every step, not only the first one's agreement
+        raise ConfigError(f"smp.step: input {where} has size {size} along axis {axis}, not "
                          f"divisible by microbatches={num_mb} (allowed: a multiple of "
                          f"{num_mb}, or list it in non_split_inputs)")
     return list(torch.chunk(t, num_mb, dim=axis))

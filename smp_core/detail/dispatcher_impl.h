@@ -195,6 +195,7 @@ struct Dispatcher::Impl {
     std::vector<std::vector<std::pair<int, bool>>> calls;  // driver: this step's, per mb
     std::vector<int64_t> recorded_path;  // driver: the last training step's, if uniform
     bool nested_seen = false;            // driver: served a request this step
+    bool evaluation = false;  // driver: a microbatch made only the plan's forward calls
     bool installed = false;              // this step installed `plan`
     // Note [Order without a list]: the actions this rank began while the step had no
     // list (all of them, or those after it left its plan), in token order.
@@ -237,7 +238,9 @@ struct Dispatcher::Impl {
   // Dispatcher::plan_text() of a step without a list (mu held).
   std::string ran_text(const FailedCell* failed) const;
   // Note [Leaving the plan]: `why` names what departed from it.
-  void leave_plan(const std::string& why) noexcept;
+  // report: counted and kept as the step's departure (false: an evaluation step that
+  // began as a training one, Note [Evaluation inside a step]).
+  void leave_plan(const std::string& why, bool report = true) noexcept;
   static constexpr int32_t kOwnWeight = -1;
   std::optional<std::pair<int64_t, int32_t>> next_planned_request();
   void leave_plan_on_word();

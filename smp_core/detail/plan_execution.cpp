@@ -112,6 +112,7 @@ void Dispatcher::Impl::PlanExecution::begin_step(int64_t microbatches, bool plan
   admitted.clear();
   calls.assign(static_cast<size_t>(microbatches), {});
   nested_seen = false;
+  evaluation = false;
   installed = false;
   ran.clear();
 }
@@ -343,17 +344,19 @@ void Dispatcher::Impl::took(int64_t mb, int32_t action_phase) {
 // Python runtime logs it with the step, and the next training step is planned from
 // this step's calls when they are uniform (record_path: re-planned), or runs unplanned
 // (Stats::unplanned_steps) when they differ between microbatches.
-void Dispatcher::Impl::leave_plan(const std::string& why) noexcept {
+void Dispatcher::Impl::leave_plan(const std::string& why, bool report) noexcept {
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!exec.on) return;
     exec.on = false;
-    stats.plan_fallbacks++;
-    try {
-      exec.departure = why;
-    } catch (...) {
+    if (report) {
+      stats.plan_fallbacks++;
+      try {
+        exec.departure = why;
+      } catch (...) {
+      }
+      exec.departures++;
     }
-    exec.departures++;
   }
   p2p->order_token(false);
   Message off;
@@ -438,25 +441,47 @@ void Dispatcher::Impl::backward_begins(int64_t mb) {
   if (off) leave_plan(why);
 }
 
+// Note [Evaluation inside a step]
+// A step decides whether it trains when it begins (begin_step's `planned`: grad mode on
+// at the call), but a script may evaluate with torch.no_grad() inside the step body.
+// Its microbatches then make the plan's forward calls and return: the other ranks wait
+// for backward actions that never come, so the step leaves the plan as any departure
+// does (kPlanOff). That is no departure worth a warning, though, and its calls are no
+// training path: the step is not counted or reported, and the recorded path stays the
+// last training step's, so training steps between evaluations keep their plan.
+namespace {
+bool only_planned_forward(const std::vector<std::pair<int, bool>>& calls,
+                          const std::vector<std::pair<int, bool>>& expected) {
+  std::vector<std::pair<int, bool>> forward;
+  for (const auto& c : expected)
+    if (!c.second) forward.push_back(c);
+  return calls == forward;
+}
+}  // namespace
+
 // Driver: microbatch `mb`'s step body returned.
 void Dispatcher::Impl::microbatch_over(int64_t mb) {
-  bool off = false;
+  bool off = false, evaluation = false;
   std::string why;
   {
     std::lock_guard<std::mutex> lock(mu);
     off = exec.on && mb >= 0 && mb < static_cast<int64_t>(exec.calls.size()) &&
           exec.calls[mb] != exec.expected_calls;
-    if (off)
+    if (off) {
+      evaluation = only_planned_forward(exec.calls[mb], exec.expected_calls);
+      exec.evaluation = exec.evaluation || evaluation;
       why = str_cat("microbatch ", mb, "'s step body returned after ", exec.calls[mb].size(),
                     " calls to other pp ranks; the plan has ", exec.expected_calls.size());
+    }
   }
-  if (off) leave_plan(why);
+  if (off) leave_plan(why, /*report=*/!evaluation);  // Note [Evaluation inside a step]
 }
 
 // Driver, after a step: the path its calls describe, for the next training step.
 void Dispatcher::Impl::record_path() {
   std::lock_guard<std::mutex> lock(mu);
-  if (!exec.wanted) return;  // an evaluation step says nothing about training steps
+  // An evaluation step says nothing about training steps (Note [Evaluation inside a step]).
+  if (!exec.wanted || exec.evaluation) return;
   std::vector<int64_t> path;
   if (!exec.nested_seen && !exec.calls.empty()) {
     path = path_of(exec.calls[0]);

@@ -171,6 +171,59 @@ def test_data_dependent_step_leaves_the_plan_and_matches_one_process(ranks, pipe
     assert len(warned) == 1 and driver["departure"] in warned[0], results[0].stderr[-2000:]
 
 
+EVAL_INSIDE = COMMON + r"""
+smp.init({"partitions": 2, "microbatches": 2, "timeout_s": 20, "pipeline_order": "planned"})
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(9)
+model = smp.DistributedModel(Chain())
+opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+
+@smp.step
+def train_step(x, y):
+    loss = nn.functional.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+@smp.step
+def eval_step(x):
+    with torch.no_grad():  # evaluation decided inside the step body
+        return model(x)
+
+x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+outs = []
+for i in range(3):  # train, eval, train, eval, train
+    if i:
+        outs.append(eval_step(x).concat())
+    train_step(x, y); opt.step(); opt.zero_grad()
+d = model._engine.dispatch
+st = d.stats()
+print("PLAN " + json.dumps({"rank": smp.rank(), "planned_steps": st.planned_steps,
+                            "fallbacks": st.plan_fallbacks, "unplanned": st.unplanned_steps,
+                            "departure": d.plan_departure(), "planned": d.planned_actions(),
+                            "executed": d.executed_actions(),
+                            "eval_finite": bool(torch.isfinite(outs[-1]).all())
+                                           if smp.pp_rank() == 0 else True}))
+"""
+
+
+def test_evaluation_inside_a_step_body_keeps_the_training_plan(ranks):
+    # Note [Evaluation inside a step]: an eval step that begins with grad mode on (no_grad
+    # inside its body) leaves the training plan without a warning, and the training steps
+    # after it still execute their plan (steps 2 and 3).
+    results = ranks(EVAL_INSIDE, 2, timeout=120)
+    driver, server = _reports(results)
+    # Training steps 2 and 3 and the two eval steps began with the plan; the eval steps
+    # left it, unreported on the driver (pp rank 1 counts the kPlanOff it hears before
+    # the step ends, a matter of timing); the last training step executed its plan.
+    assert driver["planned_steps"] == server["planned_steps"] == 4, (driver, server)
+    assert driver["fallbacks"] == 0 and server["fallbacks"] <= 2, (driver, server)
+    for rep in (driver, server):
+        assert rep["departure"] == "" and rep["eval_finite"] and rep["unplanned"] == 0, rep
+        assert rep["planned"] and rep["executed"] == rep["planned"], rep
+    for r in results:
+        assert "left its pipeline plan" not in r.stderr, r.stderr[-2000:]
+
+
 HEAD_SOMETIMES = COMMON + r"""
 class HeadSometimes(Loop):
     # Loop's modules; the driver's last hop (after pp rank 1's block) runs the head only

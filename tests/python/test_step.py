@@ -43,19 +43,20 @@ out = called(torch.randn(3, 8), torch.randn(8, 3), Shards(list(range(8))))
 assert out.outputs[0].requires_grad and out.concat().shape == (8, 2)
 
 # Errors name the input, the size and the allowed values.
-def expect_error(fn, *args, needle, **kw):
+def expect_error(fn, *args, needle, kind=ValueError, **kw):
     try:
         fn(*args, **kw)
-    except ValueError as e:
+    except kind as e:
         assert needle in str(e), e
         return
     raise SystemExit(f"no error for {needle}")
 expect_error(bare, torch.randn(6, 3), y, 1, (), {"a": torch.ones(8)}, None,
-             needle="input 'x' has size 6 along axis 0, not divisible by microbatches=4")
+             needle="input 'x' has size 6 along axis 0, not divisible by microbatches=4",
+             kind=smp.ConfigError)  # on a later step too, not only the first one's
 expect_error(smp.step(non_split_inputs=["nope"])(lambda a: a), torch.ones(4),
              needle="input 'nope' named in non_split_inputs/input_split_axes is not a parameter")
 expect_error(smp.step(input_split_axes={"a": 3})(lambda a: a), torch.ones(4, 4),
-             needle="split axis 3 is out of range")
+             needle="split axis 3 is out of range", kind=smp.ConfigError)
 
 # Gradients are averaged over microbatches: 4 microbatches == one whole-batch step.
 ref = nn.Linear(3, 2)

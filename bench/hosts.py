@@ -9,9 +9,11 @@
   smp's own allreduce, one job each. Target ratio <= 0.4.
 Each reports the bytes host 0 sent per step (its eth0's tx_bytes).
 
-Root only (namespaces); elsewhere it prints {"bench": "hosts", "skipped": why}. The
-issue's 0.5 ms delay needs tc netem, which this kernel lacks (netns.Unavailable): the
-links get the rate only, and the JSON says so.
+Both cases: host 1's link holds every frame --delay ms (0.5) each way, so the hosts are
+0.5 ms apart one way, 1 ms round trip (tests/hosts/linkdelay.cpp: this kernel has no
+tc netem).
+
+Root only (namespaces); elsewhere it prints {"bench": "hosts", "skipped": why}.
 
     sudo PYTHONPATH=build/python .venv/bin/python bench/hosts.py [--rounds 4] [--steps 5]
 """
@@ -154,6 +156,8 @@ def main():
     parser.add_argument("--only", choices=["ddp", "powersgd"])
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--rate", type=int, default=1000, help="Mbit/s of the ddp case")
+    parser.add_argument("--delay", type=float, default=0.5,
+                        help="ms host 1's link holds each frame, each way")
     args = parser.parse_args()
     if "RANK" in os.environ:
         return worker(args)
@@ -163,11 +167,10 @@ def main():
         return
     common = ["--rounds", str(args.rounds), "--steps", str(args.steps),
               "--batch", str(args.batch)]
-    out = {"bench": "hosts", "world": 4, "hosts": 2, "delay_ms": None,
-           "delay_note": "tc netem is not in this kernel: links are rate-limited (tbf) only"}
+    out = {"bench": "hosts", "world": 4, "hosts": 2, "delay_ms": args.delay}
     with tempfile.TemporaryDirectory() as tmp, netns.Hosts(2) as hosts:
         for i in range(2):
-            hosts.shape(i, rate_mbit=args.rate)
+            hosts.shape(i, rate_mbit=args.rate, delay_ms=args.delay if i == 1 else None)
         r = None if args.only == "powersgd" else job(hosts, tmp, common + ["--peer", "--width", str(args.width),
                                       "--layers", str(args.layers)])
         out["ddp"] = r and {"link_mbit": args.rate, "smp_stats": r["stats"], "params": r["params"], "hierarchical": r["hierarchy"],

@@ -27,6 +27,7 @@ namespace smp::detail {
 // once, each 1/k of the bucket); and writes the result into every slot of its host.
 // Per bucket a host sends and receives about 2 x its size x (hosts - 1) / hosts, as a
 // flat ring of hosts would, but each byte crosses once per host, not once per rank.
+// Between two hosts the allreduce is a swap (Note [Two hosts swap], shm_allreduce.cpp).
 // Owned segments (Note [Reduce to owner]) go to the owner's host with a reduce.
 //
 // The sum order per element is: this host's ranks (the summing rank's value, then the

@@ -277,6 +277,39 @@ void ShmArena::broadcast_local(size_t offset, int64_t numel, at::ScalarType dtyp
   wait_all(kParts, op, timeout_s, what);
 }
 
+// Note [Two hosts swap]
+// Between two hosts the sum of a part is one exchange: each side sends its host's sum
+// whole and adds the other's, in kSwapChunks pieces sent and received at once, each
+// added as soon as it is in (after its own send left, which reads the same memory).
+// A two-rank allreduce moves the same bytes (half each way, twice) but in two phases,
+// the second waiting on the first; measured on the namespace harness at 300 Mbit/s
+// with 0.5 ms of delay, 8.4 MB a pair: 589 ms chunked allreduce, 454 ms swapped (median
+// of 5). Both hosts add the same two numbers, and float addition commutes: the result is
+// bitwise the same on both, (a + b) + (c + d) as before.
+void ShmArena::swap_with_other_host(const HostLinks& links, at::Tensor& sum, double timeout_s,
+                                    const std::string& what) {
+  constexpr int64_t kSwapChunks = 8;
+  const int other = 1 - links.host;
+  if (!swap_in_.defined() || swap_in_.numel() < sum.numel() ||
+      swap_in_.scalar_type() != sum.scalar_type())
+    swap_in_ = at::empty({sum.numel()}, sum.options());
+  at::Tensor in = swap_in_.narrow(0, 0, sum.numel());
+  const int64_t n = std::min<int64_t>(kSwapChunks, std::max<int64_t>(1, sum.numel() / 1024));
+  const std::vector<at::Tensor> mine = sum.chunk(n), theirs = in.chunk(n);
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends, recvs;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    std::vector<at::Tensor> s{mine[i]}, r{theirs[i]};
+    sends.push_back(links.cross->send(s, other, static_cast<int>(i)));
+    recvs.push_back(links.cross->recv(r, other, static_cast<int>(i)));
+  }
+  const std::string label = str_cat(what, " (between hosts, from host ", other, ")");
+  for (size_t i = 0; i < mine.size(); ++i) {
+    wait_work(recvs[i], timeout_s, label);
+    wait_work(sends[i], timeout_s, label);
+    mine[i].add_(theirs[i]);
+  }
+}
+
 // Note [Hierarchical reduction] (detail/host_links.cpp) for the between-hosts step.
 void ShmArena::reduce(size_t offset, const std::vector<Segment>& segments, at::ScalarType dtype,
                       bool shadow, double timeout_s, const std::string& what,
@@ -331,7 +364,11 @@ void ShmArena::reduce(size_t offset, const std::vector<Segment>& segments, at::S
       if (begin >= end) continue;
       at::Tensor sum = live.empty() ? part(rank_, begin, end).zero_() : sum_into(dst, begin, end);
       std::vector<at::Tensor> v{sum};
-      if (seg.owner < 0) {
+      if (seg.owner < 0 && links->hosts == 2) {
+        swap_with_other_host(*links, sum, timeout_s, what);  // Note [Two hosts swap]
+        for (int q : live)
+          if (q != dst) part(q, begin, end).copy_(sum);
+      } else if (seg.owner < 0) {
         // In chunks (allreduce_flat), so Gloo's worker threads send and sum at once.
         wait_future(allreduce_flat(links->cross, sum), timeout_s, what + " (between hosts)");
         for (int q : live)

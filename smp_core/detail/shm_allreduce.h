@@ -105,6 +105,8 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
   void wait_all(int array, uint64_t op, double timeout_s, const std::string& what);
   void reduce(size_t offset, const std::vector<Segment>& segments, at::ScalarType dtype,
               bool shadow, double timeout_s, const std::string& what, const HostLinks* links);
+  void swap_with_other_host(const HostLinks& links, at::Tensor& sum, double timeout_s,
+                            const std::string& what);
 
   char* base_ = nullptr;
   size_t bytes_ = 0;
@@ -115,6 +117,7 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
   uint64_t op_ = 0;  // operations issued by this rank (the same sequence everywhere)
   std::vector<int> global_;  // local rank -> global rank (errors name global ranks)
   std::shared_ptr<const HostLinks> links_;
+  at::Tensor swap_in_;  // Note [Two hosts swap]: what the other host sent, reused
 };
 
 }  // namespace smp::detail

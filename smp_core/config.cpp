@@ -45,10 +45,10 @@ struct NeutralKey {
 };
 const std::vector<NeutralKey>& neutral_keys() {
   static const std::vector<NeutralKey> keys = {
-      {"tensor_parallel_degree", 1}, {"sharded_data_parallel_degree", 1},
+      {"sharded_data_parallel_degree", 1},
       {"horovod", false},
       {"fp16_params", false},
-      {"offload_activations", false}, {"prescaled_batch", false},
+      {"offload_activations", false},
       {"delayed_parameter_initialization", false}};
   return keys;
 }
@@ -57,6 +57,11 @@ const std::vector<NeutralKey>& neutral_keys() {
 const std::vector<std::pair<const char*, json::value_t>>& ignored_keys() {
   static const std::vector<std::pair<const char*, json::value_t>> keys = {
       {"deterministic_server", json::value_t::boolean},
+      // SMP v1.10's speed hints (its GPT-2 example sets both): smp's planned pipeline
+      // already reuses the last step's calls (Note [Executed plan]), which static_mode
+      // promises, and fast_mode has nothing further to skip here.
+      {"fast_mode", json::value_t::boolean},
+      {"static_mode", json::value_t::boolean},
       {"activation_loading_horizon", json::value_t::number_unsigned},
       {"ddp_port", json::value_t::number_unsigned}};
   return keys;
@@ -144,7 +149,8 @@ std::vector<std::string> config_keys() {
       "ddp",            "placement_strategy",       "optimize",     "auto_partition",
       "default_partition", "memory_weight",         "active_microbatches", "contiguous",
       "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing",
-      "p2p_transport",  "shard_optimizer_state", "fp16", "bf16"};
+      "p2p_transport",  "shard_optimizer_state", "fp16", "bf16", "tensor_parallel_degree",
+      "prescaled_batch"};
   for (const auto& k : neutral_keys()) keys.push_back(k.name);
   for (const auto& k : ignored_keys()) keys.push_back(k.first);
   std::sort(keys.begin(), keys.end());
@@ -199,6 +205,14 @@ Config Config::from_json(const std::string& text, int rank) {
            "by its plan; use \"planned\" or leave 'pipeline_order' unset");
   c.pipeline_order = p.get_choice("pipeline_order", "planned", {"dynamic", "planned"});
   c.ddp = p.get_bool("ddp", false);
+  c.tensor_parallel_degree = p.get_int("tensor_parallel_degree", 1, 1);
+  c.prescaled_batch = p.get_bool("prescaled_batch", false);
+  // SMP's rule: the tp ranks of a stage are replicas of its non-distributed parameters,
+  // which only the reducer keeps equal.
+  if (c.tensor_parallel_degree > 1 && !c.ddp)
+    p.fail("ddp", obj.contains("ddp") ? obj["ddp"] : json(false),
+           str_cat("allowed with 'tensor_parallel_degree'=", c.tensor_parallel_degree,
+                   " (tensor parallelism needs 'ddp': true)"));
   c.placement_strategy = p.get_choice("placement_strategy", "cluster", placement_choices());
   c.optimize = p.get_choice("optimize", "speed", {"speed", "memory"});
   c.auto_partition = p.get_bool("auto_partition", true);
@@ -258,6 +272,8 @@ std::string Config::to_json() const {
             {"bf16", bf16},
             {"checkpoint_dir", checkpoint_dir},
             {"p2p_transport", p2p_transport},
+            {"tensor_parallel_degree", tensor_parallel_degree},
+            {"prescaled_batch", prescaled_batch},
             {"pipeline_parallel_degree", partitions},
             {"ddp_dist_backend", backend}};
   for (const auto& k : neutral_keys()) j[k.name] = k.neutral;
@@ -273,6 +289,12 @@ void Config::validate_world(int world_size, int rank) const {
     throw ConfigError(str_cat("smp: config 'partitions'=", partitions,
                               " does not divide the world size ", world_size,
                               " (allowed: a divisor of ", world_size, ")", rank_suffix(rank)));
+  const int stage = world_size / partitions;
+  if (stage % tensor_parallel_degree != 0)
+    throw ConfigError(str_cat("smp: config 'tensor_parallel_degree'=", tensor_parallel_degree,
+                              " does not divide the world size ", world_size, " / 'partitions'=",
+                              partitions, " = ", stage, " (allowed: a divisor of ", stage, ")",
+                              rank_suffix(rank)));
 }
 
 std::string describe_config_disagreement(const std::vector<std::string>& per_rank) {

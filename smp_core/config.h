@@ -27,6 +27,11 @@ struct Config {
   std::string pipeline_order = "planned";
   // Data parallelism over replicas through smp's reducer.
   bool ddp = false;
+  // Ranks that split each stage's distributed modules (SMP v1.6+; smp_core/topology.h):
+  // the world is partitions x tensor_parallel_degree x rdp.
+  int tensor_parallel_degree = 1;
+  // The ranks of a tp group read the same batch (SMP's prescaled_batch).
+  bool prescaled_batch = false;
   // Rank layout: "cluster" (= "DPT") or "spread" (= "TPD"), or a permutation of D, P, T.
   std::string placement_strategy = "cluster";
   // "speed" or "memory": sets the default memory_weight (0.2 or 0.8, as SMP does).
@@ -79,7 +84,8 @@ struct Config {
   // FNV-1a hash of to_json(): equal on ranks that agree.
   uint64_t hash() const;
 
-  // Checks against the job's world size (partitions divides it). Throws ConfigError.
+  // Checks against the job's world size (partitions, then tensor_parallel_degree, divide
+  // it). Throws ConfigError.
   void validate_world(int world_size, int rank = -1) const;
 };
 

@@ -177,7 +177,8 @@ Config agree_config(const StorePtr& store, const ProcessEnv& env, const std::str
 Runtime::Runtime(Config config, ProcessEnv env, StorePtr store, Groups groups)
     : config_(std::move(config)),
       env_(std::move(env)),
-      topology_(env_.world_size, config_.partitions, config_.placement_strategy),
+      topology_(env_.world_size, config_.partitions, config_.placement_strategy,
+                config_.tensor_parallel_degree),
       store_(std::move(store)),
       groups_(std::move(groups)),
       mailbox_(std::make_unique<StoreMailbox>(store_, env_.rank, config_.timeout_s)) {}
@@ -262,7 +263,8 @@ Runtime& init(const std::string& config_json) {
     }
   }
   Config config = agree_config(store, env, raw);
-  Topology topo(env.world_size, config.partitions, config.placement_strategy);
+  Topology topo(env.world_size, config.partitions, config.placement_strategy,
+                config.tensor_parallel_degree);
   auto make = [&](const std::string& name, const std::vector<int>& members) {
     return make_member_group(store, env, name, members, timeout);
   };

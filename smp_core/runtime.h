@@ -89,7 +89,10 @@ Config agree_config(const StorePtr& store, const ProcessEnv& env, const std::str
 std::string config_from_environment();
 
 struct Groups {
-  ProcessGroupPtr world, pp, dp;  // pp is also the mp group (tp = 1)
+  ProcessGroupPtr world, pp, dp;
+  // Only with tensor parallelism (tp > 1); with tp = 1, mp is pp, rdp is dp and a tp
+  // group is this rank alone (Note [Groups under tensor parallelism], topology.cpp).
+  ProcessGroupPtr tp, rdp, mp;
 };
 
 class Runtime {

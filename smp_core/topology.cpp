@@ -6,15 +6,28 @@
 
 namespace smp {
 
-Topology::Topology(int world_size, int pp_size, const std::string& placement)
-    : world_(world_size), pp_(pp_size) {
+// Note [Groups under tensor parallelism]
+// SMP v1.6+ splits the world three ways: pp (pipeline stages), tp (slices of a stage's
+// distributed modules) and rdp (replicas of one slice). A parameter of a distributed
+// module is one slice, held by the rdp group of its tp rank, so it is reduced over the
+// rdp group; any other parameter is held whole by every tp rank of its stage, which
+// read different batches (unless prescaled_batch), so it is reduced over the dp group,
+// tp x rdp. Without distributed modules a tp group therefore trains as more data
+// parallelism, and with tp = 1 every group is what it was: dp == rdp, mp == pp.
+Topology::Topology(int world_size, int pp_size, const std::string& placement, int tp_size)
+    : world_(world_size), pp_(pp_size), tp_(tp_size) {
   if (world_size < 1)
     throw ConfigError(str_cat("smp: world size ", world_size, " is not >= 1"));
   if (pp_size < 1 || world_size % pp_size != 0)
     throw ConfigError(str_cat("smp: config 'partitions'=", pp_size,
                               " does not divide the world size ", world_size,
                               " (allowed: a divisor of ", world_size, ")"));
-  dp_ = world_ / pp_;
+  if (tp_size < 1 || (world_size / pp_size) % tp_size != 0)
+    throw ConfigError(str_cat("smp: config 'tensor_parallel_degree'=", tp_size,
+                              " does not divide the world size ", world_size, " / 'partitions'=",
+                              pp_size, " = ", world_size / pp_size, " (allowed: a divisor of ",
+                              world_size / pp_size, ")"));
+  rdp_ = world_ / (pp_ * tp_);
   std::string order = placement == "cluster" ? "DPT" : placement == "spread" ? "TPD" : placement;
   std::string sorted = order;
   std::sort(sorted.begin(), sorted.end());
@@ -25,7 +38,8 @@ Topology::Topology(int world_size, int pp_size, const std::string& placement)
   int stride = 1;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     if (*it == 'P') pp_stride_ = stride, stride *= pp_;
-    else if (*it == 'D') dp_stride_ = stride, stride *= dp_;
+    else if (*it == 'T') tp_stride_ = stride, stride *= tp_;
+    else rdp_stride_ = stride, stride *= rdp_;
   }
 }
 
@@ -39,47 +53,114 @@ int Topology::pp_rank(int rank) const {
   return (rank / pp_stride_) % pp_;
 }
 
-int Topology::dp_rank(int rank) const {
+int Topology::tp_rank(int rank) const {
   check_rank(rank);
-  return (rank / dp_stride_) % dp_;
+  return (rank / tp_stride_) % tp_;
+}
+
+int Topology::rdp_rank(int rank) const {
+  check_rank(rank);
+  return (rank / rdp_stride_) % rdp_;
+}
+
+int Topology::dp_rank(int rank) const {
+  const std::vector<int> g = dp_group(rank);
+  return static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
+}
+
+int Topology::mp_rank(int rank) const {
+  const std::vector<int> g = mp_group(rank);
+  return static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
+}
+
+int Topology::global_rank_of(int pp_rank, int tp_rank, int rdp_rank) const {
+  if (pp_rank < 0 || pp_rank >= pp_ || tp_rank < 0 || tp_rank >= tp_ || rdp_rank < 0 ||
+      rdp_rank >= rdp_)
+    throw std::out_of_range(str_cat("smp: (pp_rank ", pp_rank, ", tp_rank ", tp_rank,
+                                    ", rdp_rank ", rdp_rank, ") is outside pp=", pp_, " x tp=",
+                                    tp_, " x rdp=", rdp_));
+  return pp_rank * pp_stride_ + tp_rank * tp_stride_ + rdp_rank * rdp_stride_;
 }
 
 int Topology::global_rank(int pp_rank, int dp_rank) const {
-  if (pp_rank < 0 || pp_rank >= pp_ || dp_rank < 0 || dp_rank >= dp_)
+  if (pp_rank < 0 || pp_rank >= pp_ || dp_rank < 0 || dp_rank >= dp_size())
     throw std::out_of_range(str_cat("smp: (pp_rank ", pp_rank, ", dp_rank ", dp_rank,
-                                    ") is outside pp=", pp_, " x dp=", dp_));
-  return pp_rank * pp_stride_ + dp_rank * dp_stride_;
+                                    ") is outside pp=", pp_, " x dp=", dp_size()));
+  return dp_group(global_rank_of(pp_rank, 0, 0))[dp_rank];
 }
 
 std::vector<int> Topology::pp_group(int rank) const {
   std::vector<int> g;
-  for (int p = 0; p < pp_; ++p) g.push_back(global_rank(p, dp_rank(rank)));
+  for (int p = 0; p < pp_; ++p) g.push_back(global_rank_of(p, tp_rank(rank), rdp_rank(rank)));
+  return g;
+}
+
+std::vector<int> Topology::tp_group(int rank) const {
+  std::vector<int> g;
+  for (int t = 0; t < tp_; ++t) g.push_back(global_rank_of(pp_rank(rank), t, rdp_rank(rank)));
+  std::sort(g.begin(), g.end());
+  return g;
+}
+
+std::vector<int> Topology::rdp_group(int rank) const {
+  std::vector<int> g;
+  for (int d = 0; d < rdp_; ++d) g.push_back(global_rank_of(pp_rank(rank), tp_rank(rank), d));
+  std::sort(g.begin(), g.end());
   return g;
 }
 
 std::vector<int> Topology::dp_group(int rank) const {
   std::vector<int> g;
-  for (int d = 0; d < dp_; ++d) g.push_back(global_rank(pp_rank(rank), d));
+  for (int t = 0; t < tp_; ++t)
+    for (int d = 0; d < rdp_; ++d) g.push_back(global_rank_of(pp_rank(rank), t, d));
+  std::sort(g.begin(), g.end());
   return g;
 }
 
-std::vector<std::vector<int>> Topology::all_pp_groups() const {
+std::vector<int> Topology::mp_group(int rank) const {
+  std::vector<int> g;
+  for (int p = 0; p < pp_; ++p)
+    for (int t = 0; t < tp_; ++t) g.push_back(global_rank_of(p, t, rdp_rank(rank)));
+  std::sort(g.begin(), g.end());
+  return g;
+}
+
+template <typename F>
+std::vector<std::vector<int>> Topology::all_groups(F group_of) const {
   std::vector<std::vector<int>> gs;
-  for (int d = 0; d < dp_; ++d) gs.push_back(pp_group(global_rank(0, d)));
-  std::sort(gs.begin(), gs.end());
+  for (int r = 0; r < world_; ++r) {
+    std::vector<int> g = group_of(r);
+    if (*std::min_element(g.begin(), g.end()) == r) gs.push_back(std::move(g));
+  }
+  std::sort(gs.begin(), gs.end(), [](const std::vector<int>& a, const std::vector<int>& b) {
+    return *std::min_element(a.begin(), a.end()) < *std::min_element(b.begin(), b.end());
+  });
   return gs;
 }
 
+std::vector<std::vector<int>> Topology::all_pp_groups() const {
+  return all_groups([this](int r) { return pp_group(r); });
+}
+std::vector<std::vector<int>> Topology::all_tp_groups() const {
+  return all_groups([this](int r) { return tp_group(r); });
+}
+std::vector<std::vector<int>> Topology::all_rdp_groups() const {
+  return all_groups([this](int r) { return rdp_group(r); });
+}
 std::vector<std::vector<int>> Topology::all_dp_groups() const {
-  std::vector<std::vector<int>> gs;
-  for (int p = 0; p < pp_; ++p) gs.push_back(dp_group(global_rank(p, 0)));
-  std::sort(gs.begin(), gs.end());
-  return gs;
+  return all_groups([this](int r) { return dp_group(r); });
+}
+std::vector<std::vector<int>> Topology::all_mp_groups() const {
+  return all_groups([this](int r) { return mp_group(r); });
 }
 
 std::string Topology::describe() const {
-  std::string s = str_cat("world=", world_, " pp=", pp_, " dp=", dp_, ":");
-  for (int r = 0; r < world_; ++r) s += str_cat(" ", r, "(pp", pp_rank(r), ",dp", dp_rank(r), ")");
+  std::string s = str_cat("world=", world_, " pp=", pp_, " dp=", dp_size(), ":");
+  if (tp_ > 1) s = str_cat("world=", world_, " pp=", pp_, " tp=", tp_, " rdp=", rdp_, ":");
+  for (int r = 0; r < world_; ++r) {
+    s += tp_ > 1 ? str_cat(" ", r, "(pp", pp_rank(r), ",tp", tp_rank(r), ",rdp", rdp_rank(r), ")")
+                 : str_cat(" ", r, "(pp", pp_rank(r), ",dp", dp_rank(r), ")");
+  }
   return s;
 }
 

@@ -39,25 +39,43 @@ ProcessEnv make_env(int rank, int world, int local_rank, int local_size) {
   return e;
 }
 
-ProcessGroupPtr group_of(const std::string& name) {
-  const Groups& g = runtime().groups();
-  if (name == "world") return g.world;
-  if (name == "pp" || name == "mp") return g.pp;
-  if (name == "dp") return g.dp;
-  throw std::invalid_argument("smp: unknown group '" + name + "' (allowed: world, pp, mp, dp)");
+// With tp = 1, "mp" is the pp group and "rdp" the dp group (one name each in calls).
+std::string canonical_group(const std::string& name) {
+  if (runtime().topology().tp_size() > 1) return name;
+  return name == "mp" ? "pp" : name == "rdp" ? "dp" : name;
 }
 
-// The group's kind as CallAgreement names it ("mp" is the pp group) and its global ranks.
+ProcessGroupPtr group_of(const std::string& name) {
+  const Groups& g = runtime().groups();
+  const std::string n = canonical_group(name);
+  if (n == "world") return g.world;
+  if (n == "pp") return g.pp;
+  if (n == "dp") return g.dp;
+  if (n == "tp" && g.tp) return g.tp;
+  if (n == "rdp" && g.rdp) return g.rdp;
+  if (n == "mp" && g.mp) return g.mp;
+  throw std::invalid_argument("smp: unknown group '" + name +
+                              "' (allowed: world, pp, mp, dp, rdp, and tp when "
+                              "tensor_parallel_degree > 1)");
+}
+
+// The group's kind as CallAgreement names it and its global ranks.
 std::pair<std::string, std::vector<int>> members_of(const std::string& name) {
   const Runtime& rt = runtime();
-  if (name == "world") {
-    std::vector<int> all(rt.topology().world_size());
+  const Topology& t = rt.topology();
+  const std::string n = canonical_group(name);
+  if (n == "world") {
+    std::vector<int> all(t.world_size());
     for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
     return {"world", all};
   }
-  if (name == "pp" || name == "mp") return {"pp", rt.topology().pp_group(rt.rank())};
-  if (name == "dp") return {"dp", rt.topology().dp_group(rt.rank())};
-  throw std::invalid_argument("smp: unknown group '" + name + "' (allowed: world, pp, mp, dp)");
+  if (n == "pp") return {"pp", t.pp_group(rt.rank())};
+  if (n == "dp") return {"dp", t.dp_group(rt.rank())};
+  if (n == "tp") return {"tp", t.tp_group(rt.rank())};
+  if (n == "rdp") return {"rdp", t.rdp_group(rt.rank())};
+  if (n == "mp") return {"mp", t.mp_group(rt.rank())};
+  throw std::invalid_argument("smp: unknown group '" + name +
+                              "' (allowed: world, pp, mp, dp, rdp, tp)");
 }
 
 // See Note [Call agreement]: every member is about to make `call` on the group.
@@ -143,18 +161,31 @@ void bind_core(py::module_& m) {
         "when unset or empty. Raises smp.ConfigError naming the variable and its value.");
 
   py::class_<Topology>(m, "Topology")
-      .def(py::init<int, int, const std::string&>(), py::arg("world_size"),
-           py::arg("pp_size"), py::arg("placement") = "cluster")
+      .def(py::init<int, int, const std::string&, int>(), py::arg("world_size"),
+           py::arg("pp_size"), py::arg("placement") = "cluster", py::arg("tp_size") = 1)
       .def_property_readonly("world_size", &Topology::world_size)
       .def_property_readonly("pp_size", &Topology::pp_size)
+      .def_property_readonly("tp_size", &Topology::tp_size)
+      .def_property_readonly("rdp_size", &Topology::rdp_size)
       .def_property_readonly("dp_size", &Topology::dp_size)
+      .def_property_readonly("mp_size", &Topology::mp_size)
       .def("pp_rank", &Topology::pp_rank)
+      .def("tp_rank", &Topology::tp_rank)
+      .def("rdp_rank", &Topology::rdp_rank)
       .def("dp_rank", &Topology::dp_rank)
+      .def("mp_rank", &Topology::mp_rank)
       .def("global_rank", &Topology::global_rank)
+      .def("global_rank_of", &Topology::global_rank_of)
       .def("pp_group", &Topology::pp_group)
+      .def("tp_group", &Topology::tp_group)
+      .def("rdp_group", &Topology::rdp_group)
       .def("dp_group", &Topology::dp_group)
+      .def("mp_group", &Topology::mp_group)
       .def("all_pp_groups", &Topology::all_pp_groups)
+      .def("all_tp_groups", &Topology::all_tp_groups)
+      .def("all_rdp_groups", &Topology::all_rdp_groups)
       .def("all_dp_groups", &Topology::all_dp_groups)
+      .def("all_mp_groups", &Topology::all_mp_groups)
       .def("describe", &Topology::describe);
 
   m.def("agree_config", [](const StorePtr& store, int rank, int world, const std::string& raw) {
@@ -172,10 +203,17 @@ void bind_core(py::module_& m) {
 
   m.def("install", [](const std::string& config_json, int rank, int world, int local_rank,
                       int local_size, const StorePtr& store, const ProcessGroupPtr& world_pg,
-                      const ProcessGroupPtr& pp_pg, const ProcessGroupPtr& dp_pg) {
+                      const ProcessGroupPtr& pp_pg, const ProcessGroupPtr& dp_pg,
+                      const ProcessGroupPtr& tp_pg, const ProcessGroupPtr& rdp_pg,
+                      const ProcessGroupPtr& mp_pg) {
     install(Config::from_json(config_json), make_env(rank, world, local_rank, local_size),
-            store, Groups{world_pg, pp_pg, dp_pg});
-  });
+            store, Groups{world_pg, pp_pg, dp_pg, tp_pg, rdp_pg, mp_pg});
+  }, py::arg("config_json"), py::arg("rank"), py::arg("world"), py::arg("local_rank"),
+        py::arg("local_size"), py::arg("store"), py::arg("world_pg"), py::arg("pp_pg"),
+        py::arg("dp_pg"), py::arg("tp_pg") = py::none(), py::arg("rdp_pg") = py::none(),
+        py::arg("mp_pg") = py::none(),
+        "tp_pg, rdp_pg, mp_pg: only with tensor_parallel_degree > 1 (Note [Groups under "
+        "tensor parallelism]).");
   m.def("is_initialized", &is_initialized);
   m.def("start_liveness", &start_liveness, release(),
         "Note [Rank heartbeat]: collective at init; a line for the log, or ''.");

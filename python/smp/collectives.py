@@ -43,9 +43,16 @@ def _call_name(default):
     return getattr(_api_call, "name", None) or default
 
 
-# One spelling per group in call names: MP_GROUP is PP_GROUP and RDP_GROUP is DP_GROUP
-# (tp = 1), so smp.mp_barrier() on one rank agrees with smp.pp_barrier() on another.
-_CALL_GROUP = {"world": "WORLD", "pp": "PP_GROUP", "dp": "DP_GROUP"}
+# One spelling per group in call names: with tp = 1, MP_GROUP is PP_GROUP and RDP_GROUP
+# is DP_GROUP (groups.group_name), so smp.mp_barrier() on one rank agrees with
+# smp.pp_barrier() on another.
+_CALL_GROUP = {"world": "WORLD", "pp": "PP_GROUP", "dp": "DP_GROUP", "tp": "TP_GROUP",
+               "rdp": "RDP_GROUP", "mp": "MP_GROUP"}
+
+
+def _alone(name):
+    """A tp group of one rank (tp = 1): nothing to wait for or gather."""
+    return name == "tp" and state.topology.tp_size == 1
 
 
 def agree_call(group, default):
@@ -58,7 +65,7 @@ def agree_call(group, default):
         SMPTimeoutError: a member did not arrive within timeout_s.
     """
     name = group_name(group)
-    if name != "tp":
+    if not _alone(name):
         _C.agree_call(name, _call_name(default))
 
 
@@ -83,7 +90,7 @@ def barrier(group=CommGroup.WORLD):
     """
     require_init()
     name = group_name(group)
-    if name != "tp":
+    if not _alone(name):
         _C.barrier(name, _call_name(f"smp.barrier({_CALL_GROUP[name]})"))
 
 
@@ -124,7 +131,7 @@ def allgather(obj, group=CommGroup.WORLD):
     """Returns every member's `obj`, in group-rank order."""
     require_init()
     name = group_name(group)
-    if name == "tp":
+    if _alone(name):
         return [obj]
     call = _call_name(f"smp.allgather({_CALL_GROUP[name]})")
     return [pickle.loads(b) for b in _C.allgather_bytes(name, pickle.dumps(obj, protocol=4),
@@ -133,7 +140,7 @@ def allgather(obj, group=CommGroup.WORLD):
 
 def gather(obj, group=CommGroup.WORLD, rank=0):
     """Returns the members' objects in group-rank order on group rank `rank`, else None."""
-    with api_call(f"smp.gather({_CALL_GROUP.get(group_name(group), 'TP_GROUP')})"):
+    with api_call(f"smp.gather({_CALL_GROUP[group_name(group)]})"):
         values = allgather(obj, group)
     me = members(group).index(state.rank)
     return values if me == rank else None

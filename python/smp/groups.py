@@ -1,5 +1,6 @@
 """smp's process groups: SMP v1's group names, the torch.distributed groups smp.init
-creates (world, every pp group, every dp group, one-rank tp groups) and their getters.
+creates (world, every pp group, every dp group, one-rank tp groups; with tensor
+parallelism every tp, rdp and mp group too) and their getters.
 
 Groups are made through torch.distributed (`dist.new_group`) so they are registered
 there and usable with torch's API; C++ receives them with `_C.install`."""
@@ -22,7 +23,8 @@ SMPTimeoutError = _C.SMPTimeoutError
 
 
 class CommGroup(enum.Enum):
-    """Groups of SMP v1. With no tensor parallelism TP is each rank alone and RDP = DP."""
+    """Groups of SMP v1 (Note [Groups under tensor parallelism], smp_core/topology.cpp).
+    With no tensor parallelism TP is each rank alone, RDP = DP and MP = PP."""
 
     WORLD = 0
     PP_GROUP = 1
@@ -33,17 +35,21 @@ class CommGroup(enum.Enum):
 
 
 _GROUP_NAME = {
-    CommGroup.WORLD: "world", CommGroup.PP_GROUP: "pp", CommGroup.MP_GROUP: "pp",
-    CommGroup.DP_GROUP: "dp", CommGroup.RDP_GROUP: "dp", CommGroup.TP_GROUP: "tp",
+    CommGroup.WORLD: "world", CommGroup.PP_GROUP: "pp", CommGroup.MP_GROUP: "mp",
+    CommGroup.DP_GROUP: "dp", CommGroup.RDP_GROUP: "rdp", CommGroup.TP_GROUP: "tp",
 }
 
 
 def group_name(group):
-    """The kind of `group` ("world", "pp", "dp", "tp"); ValueError for a non-group."""
+    """The kind of `group` ("world", "pp", "dp", "tp", and with tensor parallelism
+    "rdp" and "mp", which are "dp" and "pp" without it); ValueError for a non-group."""
     if group not in _GROUP_NAME:
         raise ValueError(f"smp: group {group!r} is not one of "
                          f"{{{', '.join(g.name for g in CommGroup)}}}")
-    return _GROUP_NAME[group]
+    name = _GROUP_NAME[group]
+    if state.topology is None or state.topology.tp_size == 1:
+        name = {"mp": "pp", "rdp": "dp"}.get(name, name)
+    return name
 
 
 def choose_backend(name):
@@ -104,7 +110,11 @@ def create_groups(topo, rank, world, timeout):
         singles[r] = pg
         if r == rank:
             groups["tp"] = pg
-    for kind, all_groups in (("pp", topo.all_pp_groups()), ("dp", topo.all_dp_groups())):
+    kinds = [("pp", topo.all_pp_groups()), ("dp", topo.all_dp_groups())]
+    if topo.tp_size > 1:  # Note [Groups under tensor parallelism]
+        kinds += [("tp", topo.all_tp_groups()), ("rdp", topo.all_rdp_groups()),
+                  ("mp", topo.all_mp_groups())]
+    for kind, all_groups in kinds:
         for ranks in all_groups:
             ranks = list(ranks)
             # Not the world group even when it has the same members: the reducer's comm
@@ -112,6 +122,8 @@ def create_groups(topo, rank, world, timeout):
             pg = singles[ranks[0]] if len(ranks) == 1 else dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[kind] = pg
+    if topo.tp_size == 1:
+        groups["rdp"], groups["mp"] = groups["dp"], groups["pp"]
     return groups
 
 
@@ -151,4 +163,11 @@ def get_tp_process_group():
     return state.groups["tp"]
 
 
-get_mp_process_group, get_rdp_process_group = get_pp_process_group, get_dp_process_group
+def get_rdp_process_group():
+    require_init()
+    return state.groups["rdp"]
+
+
+def get_mp_process_group():
+    require_init()
+    return state.groups["mp"]

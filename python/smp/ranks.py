@@ -61,16 +61,32 @@ def dp_size():
 
 def tp_rank():
     require_init()
-    return 0
+    return state.topology.tp_rank(state.rank)
 
 
 def tp_size():
     require_init()
-    return 1
+    return state.topology.tp_size
 
 
-mp_rank, mp_size = pp_rank, pp_size
-rdp_rank, rdp_size = dp_rank, dp_size
+def rdp_rank():
+    require_init()
+    return state.topology.rdp_rank(state.rank)
+
+
+def rdp_size():
+    require_init()
+    return state.topology.rdp_size
+
+
+def mp_rank():
+    require_init()
+    return state.topology.mp_rank(state.rank)
+
+
+def mp_size():
+    require_init()
+    return state.topology.mp_size
 
 
 def get_pp_group():
@@ -85,10 +101,17 @@ def get_dp_group():
 
 def get_tp_group():
     require_init()
-    return [state.rank]
+    return list(state.topology.tp_group(state.rank))
 
 
-get_mp_group, get_rdp_group = get_pp_group, get_dp_group
+def get_rdp_group():
+    require_init()
+    return list(state.topology.rdp_group(state.rank))
+
+
+def get_mp_group():
+    require_init()
+    return list(state.topology.mp_group(state.rank))
 
 _RANK_GROUP = {
     RankType.WORLD_RANK: CommGroup.WORLD, RankType.PP_RANK: CommGroup.PP_GROUP,
@@ -100,7 +123,8 @@ _RANK_GROUP = {
 def members(group):
     """The global ranks of this rank's `group` (a CommGroup), in group-rank order."""
     return {"world": lambda: list(range(state.world_size)), "pp": get_pp_group,
-            "dp": get_dp_group, "tp": get_tp_group}[group_name(group)]()
+            "dp": get_dp_group, "tp": get_tp_group, "rdp": get_rdp_group,
+            "mp": get_mp_group}[group_name(group)]()
 
 
 def to_global(r, rank_type):

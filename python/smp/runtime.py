@@ -113,14 +113,18 @@ def init(config=None):
     cfg = json.loads(cfg_json)
     if world > 1:
         _choose_interface(local_rank)
-    topo = _C.Topology(world, cfg["partitions"], cfg["placement_strategy"])
+    topo = _C.Topology(world, cfg["partitions"], cfg["placement_strategy"],
+                       cfg["tensor_parallel_degree"])
     with event_driven_group_barrier():
         if not dist.is_initialized():
             dist.init_process_group(choose_backend(cfg["backend"]), store=store, rank=rank,
                                     world_size=world, timeout=timeout)
         groups = create_groups(topo, rank, world, timeout)
+    tp = topo.tp_size > 1  # Note [Groups under tensor parallelism]
     _C.install(cfg_json, rank, world, local_rank, local_size, store,
-               groups["world"], groups["pp"], groups["dp"])
+               groups["world"], groups["pp"], groups["dp"],
+               groups["tp"] if tp else None, groups["rdp"] if tp else None,
+               groups["mp"] if tp else None)
     beating = _C.start_liveness()  # Note [Rank heartbeat] (smp_core/liveness.cpp)
     if beating and rank == 0:
         log.get_logger().log(logging.WARNING if beating.startswith("no ") else logging.INFO,

@@ -39,9 +39,13 @@ TEST(Config, EveryKeyParses) {
       "ddp": true, "placement_strategy": "spread", "optimize": "memory",
       "auto_partition": false, "default_partition": 3, "active_microbatches": 2,
       "contiguous": true, "backend": "gloo", "timeout_s": 1.5, "skip_tracing": true,
-      "tensor_parallel_degree": 1, "deterministic_server": true, "ddp_port": 1234,
-      "activation_loading_horizon": 4, "fp16_params": false})");
+      "tensor_parallel_degree": 2, "prescaled_batch": true, "deterministic_server": true,
+      "ddp_port": 1234, "activation_loading_horizon": 4, "fp16_params": false,
+      "fast_mode": true, "static_mode": false})");
   EXPECT_EQ(c.partitions, 4);
+  EXPECT_EQ(c.tensor_parallel_degree, 2);
+  EXPECT_TRUE(c.prescaled_batch);
+  EXPECT_NE(c.ignored_json.find("\"fast_mode\":true"), std::string::npos) << c.ignored_json;
   EXPECT_EQ(c.microbatches, 8);
   EXPECT_EQ(c.pipeline, "simple");
   EXPECT_TRUE(c.ddp);
@@ -119,7 +123,10 @@ TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_EQ(error_of(R"({"skip_tracing": 0})"),
             "smp: config 'skip_tracing'=0 is not one of {true, false}");
   EXPECT_EQ(error_of(R"({"tensor_parallel_degree": 2})"),
-            "smp: config 'tensor_parallel_degree'=2 is not supported by smp (only 1)");
+            "smp: config 'ddp'=false is not allowed with 'tensor_parallel_degree'=2 (tensor "
+            "parallelism needs 'ddp': true)");
+  EXPECT_EQ(error_of(R"({"tensor_parallel_degree": 0, "ddp": true})"),
+            "smp: config 'tensor_parallel_degree'=0 is not an integer in [1, 1073741824]");
   EXPECT_EQ(error_of(R"({"ddp_port": "x"})"), "smp: config 'ddp_port'='x' is not an integer >= 0");
 }
 

@@ -71,10 +71,96 @@ TEST(Topology, GroupsPartitionTheWorld) {
   }
 }
 
+// The SMP docs' tables for 8 ranks with tp=2, pp=2, rdp=2.
+TEST(Topology, TensorParallelMatchesSmpDocs) {
+  Topology dpt(8, 2, "DPT", 2);
+  Topology ptd(8, 2, "PTD", 2);
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(dpt.rdp_rank(r), r / 4) << r;
+    EXPECT_EQ(dpt.pp_rank(r), (r / 2) % 2) << r;
+    EXPECT_EQ(dpt.tp_rank(r), r % 2) << r;
+    EXPECT_EQ(ptd.rdp_rank(r), r % 2) << r;
+    EXPECT_EQ(ptd.pp_rank(r), r / 4) << r;
+    EXPECT_EQ(ptd.tp_rank(r), (r / 2) % 2) << r;
+  }
+  EXPECT_EQ(dpt.tp_size(), 2);
+  EXPECT_EQ(dpt.rdp_size(), 2);
+  EXPECT_EQ(dpt.dp_size(), 4);
+  EXPECT_EQ(dpt.mp_size(), 4);
+  EXPECT_EQ(dpt.all_tp_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(dpt.all_pp_groups(), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+  EXPECT_EQ(dpt.all_rdp_groups(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(dpt.all_dp_groups(), (Groups{{0, 1, 4, 5}, {2, 3, 6, 7}}));
+  EXPECT_EQ(dpt.all_mp_groups(), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
+  EXPECT_EQ(dpt.dp_rank(5), 3);
+  EXPECT_EQ(dpt.global_rank(1, 2), 6);
+  EXPECT_EQ(dpt.global_rank_of(1, 1, 1), 7);
+}
+
+// With tp = 1 nothing changes: tp groups are single ranks, rdp == dp and mp == pp.
+TEST(Topology, TensorParallelOneIsTheOldLayout) {
+  for (const char* placement : {"cluster", "spread", "PDT", "TDP"}) {
+    for (int world : {1, 2, 4, 6, 8}) {
+      for (int pp : {1, 2, 4}) {
+        if (world % pp) continue;
+        Topology t(world, pp, placement);
+        EXPECT_EQ(t.all_rdp_groups(), t.all_dp_groups());
+        EXPECT_EQ(t.all_mp_groups(), t.all_pp_groups());
+        for (int r = 0; r < world; ++r) {
+          EXPECT_EQ(t.tp_group(r), std::vector<int>{r});
+          EXPECT_EQ(t.rdp_rank(r), t.dp_rank(r));
+          EXPECT_EQ(t.mp_rank(r), t.pp_rank(r));
+        }
+      }
+    }
+  }
+}
+
+// For every (world, pp, tp, placement): each kind of group partitions the world, the
+// groups' sizes are the degrees, a rank's coordinates name it, and tp x rdp = dp.
+TEST(Topology, TensorParallelGroupsPartitionTheWorld) {
+  for (const char* placement : {"DPT", "DTP", "PDT", "PTD", "TDP", "TPD"}) {
+    for (int world : {2, 4, 8, 12, 16}) {
+      for (int pp : {1, 2, 4}) {
+        for (int tp : {1, 2, 4}) {
+          if (world % (pp * tp)) continue;
+          Topology t(world, pp, placement, tp);
+          const int rdp = world / (pp * tp);
+          for (auto [groups, size] :
+               {std::make_pair(t.all_pp_groups(), pp), std::make_pair(t.all_tp_groups(), tp),
+                std::make_pair(t.all_rdp_groups(), rdp), std::make_pair(t.all_dp_groups(), tp * rdp),
+                std::make_pair(t.all_mp_groups(), pp * tp)}) {
+            std::set<int> seen;
+            for (auto& g : groups) {
+              EXPECT_EQ(static_cast<int>(g.size()), size);
+              seen.insert(g.begin(), g.end());
+            }
+            EXPECT_EQ(static_cast<int>(seen.size()), world);
+          }
+          for (int r = 0; r < world; ++r) {
+            EXPECT_EQ(t.global_rank_of(t.pp_rank(r), t.tp_rank(r), t.rdp_rank(r)), r);
+            EXPECT_EQ(t.global_rank(t.pp_rank(r), t.dp_rank(r)), r);
+            EXPECT_EQ(t.pp_group(r)[t.pp_rank(r)], r);
+            EXPECT_EQ(t.dp_group(r)[t.dp_rank(r)], r);
+            EXPECT_EQ(t.mp_group(r)[t.mp_rank(r)], r);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Topology, Errors) {
   EXPECT_THROW(Topology(6, 4), ConfigError);
   EXPECT_THROW(Topology(4, 2, "far"), ConfigError);
   EXPECT_THROW(Topology(4, 2).pp_rank(4), std::out_of_range);
+  EXPECT_THROW(Topology(8, 2, "cluster", 3), ConfigError);
+  try {
+    Topology(8, 2, "cluster", 3);
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(), "smp: config 'tensor_parallel_degree'=3 does not divide the world "
+                           "size 8 / 'partitions'=2 = 4 (allowed: a divisor of 4)");
+  }
   try {
     Topology(6, 4);
   } catch (const ConfigError& e) {

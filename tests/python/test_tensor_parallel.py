@@ -32,6 +32,8 @@ smp.barrier(smp.RDP_GROUP)
 smp.broadcast(me * 10, smp.TP_GROUP)
 peer = [r for r in smp.get_tp_group() if r != me][0]
 out["from_tp_peer"] = smp.recv_from(peer)
+smp.send(me + 100, 1 - smp.tp_rank(), smp.TP_RANK)
+out["by_tp_rank"] = smp.recv_from(1 - smp.tp_rank(), smp.TP_RANK)
 
 # Training: each rank of the dp group (tp x rdp) reads its own batch; the same model in
 # one process on all of them.
@@ -87,6 +89,7 @@ def test_tp2_pp2_layout_groups_and_training(ranks):
             assert r[kind + "_pg"] == r[kind + "_group"], (kind, r)
         assert r["tp_gathered"] == r["tp_group"] and r["mp_gathered"] == [0, 1, 2, 3], r
         assert r["from_tp_peer"] == 10 * [q for q in r["tp_group"] if q != me][0], r
+        assert r["by_tp_rank"] == 100 + [q for q in r["tp_group"] if q != me][0], r
         assert r["max_diff"] < 1e-5, r
 
 

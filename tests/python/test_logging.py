@@ -129,23 +129,29 @@ if sys.argv[1] == "late-config":
 """
 
 
-def _handler_case(tmp_path, case, env=None):
+def _handler_cases(tmp_path, cases):
+    """Runs HANDLER once per (case, env), all at once (each pays torch's import)."""
     script = tmp_path / "handler.py"
     script.write_text(HANDLER)
-    e = rank_env(0, 1, free_port(), env)
-    out = subprocess.run([PYTHON, str(script), case], capture_output=True, text=True, env=e,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out
+    procs = [subprocess.Popen([PYTHON, str(script), case], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=rank_env(0, 1, free_port(), env))
+             for case, env in cases]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return outs
 
 
 def test_default_handler_levels_and_standing_aside(tmp_path):
-    out = _handler_case(tmp_path, "plain")
-    assert out.stderr.splitlines() == ["smp: info line", "smp: error line"], out.stderr
-    out = _handler_case(tmp_path, "plain", env={"SMP_LOG_LEVEL": "Warning"})
-    assert out.stderr.splitlines() == ["smp: error line"], out.stderr
-    out = _handler_case(tmp_path, "own-level")  # the application's level on `smp` is kept
-    assert out.stderr.splitlines() == ["smp: error line"], out.stderr
-    out = _handler_case(tmp_path, "late-config")
-    assert out.stderr.splitlines() == ["smp: info line", "smp: error line"], out.stderr
-    assert out.stdout.splitlines() == ["USER smp: after config"], out.stdout
+    plain, warning, own, late = _handler_cases(
+        tmp_path, [("plain", None), ("plain", {"SMP_LOG_LEVEL": "Warning"}),
+                   ("own-level", None), ("late-config", None)])
+    assert plain.stderr.splitlines() == ["smp: info line", "smp: error line"], plain.stderr
+    assert warning.stderr.splitlines() == ["smp: error line"], warning.stderr
+    # The application's level on `smp` is kept.
+    assert own.stderr.splitlines() == ["smp: error line"], own.stderr
+    assert late.stderr.splitlines() == ["smp: info line", "smp: error line"], late.stderr
+    assert late.stdout.splitlines() == ["USER smp: after config"], late.stdout

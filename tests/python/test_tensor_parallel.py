@@ -116,11 +116,11 @@ print("NO ERROR", flush=True)
 
 
 def test_tp_that_does_not_divide_or_lacks_ddp_is_refused_on_every_rank(ranks):
-    cases = [({"partitions": 2, "tensor_parallel_degree": 3, "ddp": True},
-              "config 'tensor_parallel_degree'=3 does not divide the world size 4 / "
-              "'partitions'=2 = 2 (allowed: a divisor of 2)"),
+    cases = [({"tensor_parallel_degree": 3, "ddp": True},
+              "config 'tensor_parallel_degree'=3 does not divide the world size 2 / "
+              "'partitions'=1 = 2 (allowed: a divisor of 2)"),
              ({"tensor_parallel_degree": 2},
               "config 'ddp'=false is not allowed with 'tensor_parallel_degree'=2")]
     for cfg, needle in cases:
-        for r in ranks(BAD, 4, args=(json.dumps(cfg),), check=False, timeout=60):
+        for r in ranks(BAD, 2, args=(json.dumps(cfg),), check=False, timeout=60):
             assert r.returncode == 3 and needle in r.stdout, (cfg, r.stdout, r.stderr[-2000:])

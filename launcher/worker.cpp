@@ -205,7 +205,6 @@ int Worker::run_attempt() {
 }
 
 int Worker::after_losing_coordinator() {
-  const std::string place = Failure::node_place(coordinator_host_, 0, options_.nproc_per_node);
   if (exit_signal_ == 0 && attempt_ < options_.max_restarts) {
     say("joining node 0 at " + coordinator() + " again for restart " +
         std::to_string(attempt_ + 1) + " of " + std::to_string(options_.max_restarts) +
@@ -213,7 +212,9 @@ int Worker::after_losing_coordinator() {
     channel_.reset();
     return -1;
   }
-  Failure f = Failure::node_lost(0, channel_->lost_reason(), place);
+  Failure f = Failure::node_lost(
+      0, channel_->lost_reason(),
+      Failure::node_place(coordinator_host_, 0, options_.nproc_per_node));
   say(summary(&f));
   return exit_signal_ != 0 ? 128 + exit_signal_ : kExitFailure;
 }

@@ -10,6 +10,7 @@
 
 #include "smp_common/env.h"
 #include "smp_common/hash.h"
+#include "smp_core/topology.h"
 
 namespace smp {
 namespace {
@@ -285,16 +286,13 @@ std::string Config::to_json() const {
 uint64_t Config::hash() const { return common::fnv1a(to_json()); }
 
 void Config::validate_world(int world_size, int rank) const {
-  if (world_size % partitions != 0)
-    throw ConfigError(str_cat("smp: config 'partitions'=", partitions,
-                              " does not divide the world size ", world_size,
-                              " (allowed: a divisor of ", world_size, ")", rank_suffix(rank)));
-  const int stage = world_size / partitions;
-  if (stage % tensor_parallel_degree != 0)
-    throw ConfigError(str_cat("smp: config 'tensor_parallel_degree'=", tensor_parallel_degree,
-                              " does not divide the world size ", world_size, " / 'partitions'=",
-                              partitions, " = ", stage, " (allowed: a divisor of ", stage, ")",
-                              rank_suffix(rank)));
+  // The layout's own checks (partitions, then tensor_parallel_degree, divide the world),
+  // with the rank named.
+  try {
+    Topology(world_size, partitions, placement_strategy, tensor_parallel_degree);
+  } catch (const ConfigError& e) {
+    throw ConfigError(str_cat(e.what(), rank_suffix(rank)));
+  }
 }
 
 std::string describe_config_disagreement(const std::vector<std::string>& per_rank) {

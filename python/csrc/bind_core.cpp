@@ -39,23 +39,18 @@ ProcessEnv make_env(int rank, int world, int local_rank, int local_size) {
   return e;
 }
 
-// With tp = 1, "mp" is the pp group and "rdp" the dp group (one name each in calls).
-std::string canonical_group(const std::string& name) {
-  if (runtime().topology().tp_size() > 1) return name;
-  return name == "mp" ? "pp" : name == "rdp" ? "dp" : name;
-}
-
+// Names as smp.groups.group_name gives them: with tp = 1, "pp" and "dp" stand for the mp
+// and rdp groups too (one name each in calls), and tp is never asked for.
 ProcessGroupPtr group_of(const std::string& name) {
   const Groups& g = runtime().groups();
-  const std::string n = canonical_group(name);
-  if (n == "world") return g.world;
-  if (n == "pp") return g.pp;
-  if (n == "dp") return g.dp;
-  if (n == "tp" && g.tp) return g.tp;
-  if (n == "rdp" && g.rdp) return g.rdp;
-  if (n == "mp" && g.mp) return g.mp;
+  if (name == "world") return g.world;
+  if (name == "pp") return g.pp;
+  if (name == "dp") return g.dp;
+  if (name == "tp" && g.tp) return g.tp;
+  if (name == "rdp" && g.rdp) return g.rdp;
+  if (name == "mp" && g.mp) return g.mp;
   throw std::invalid_argument("smp: unknown group '" + name +
-                              "' (allowed: world, pp, mp, dp, rdp, and tp when "
+                              "' (allowed: world, pp, dp, and tp, rdp, mp when "
                               "tensor_parallel_degree > 1)");
 }
 
@@ -63,17 +58,16 @@ ProcessGroupPtr group_of(const std::string& name) {
 std::pair<std::string, std::vector<int>> members_of(const std::string& name) {
   const Runtime& rt = runtime();
   const Topology& t = rt.topology();
-  const std::string n = canonical_group(name);
-  if (n == "world") {
+  if (name == "world") {
     std::vector<int> all(t.world_size());
     for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
     return {"world", all};
   }
-  if (n == "pp") return {"pp", t.pp_group(rt.rank())};
-  if (n == "dp") return {"dp", t.dp_group(rt.rank())};
-  if (n == "tp") return {"tp", t.tp_group(rt.rank())};
-  if (n == "rdp") return {"rdp", t.rdp_group(rt.rank())};
-  if (n == "mp") return {"mp", t.mp_group(rt.rank())};
+  if (name == "pp") return {"pp", t.pp_group(rt.rank())};
+  if (name == "dp") return {"dp", t.dp_group(rt.rank())};
+  if (name == "tp") return {"tp", t.tp_group(rt.rank())};
+  if (name == "rdp") return {"rdp", t.rdp_group(rt.rank())};
+  if (name == "mp") return {"mp", t.mp_group(rt.rank())};
   throw std::invalid_argument("smp: unknown group '" + name +
                               "' (allowed: world, pp, mp, dp, rdp, tp)");
 }

@@ -290,10 +290,11 @@ void ShmArena::swap_with_other_host(const HostLinks& links, at::Tensor& sum, dou
                                     const std::string& what) {
   constexpr int64_t kSwapChunks = 8;
   const int other = 1 - links.host;
-  if (!swap_in_.defined() || swap_in_.numel() < sum.numel() ||
-      swap_in_.scalar_type() != sum.scalar_type())
-    swap_in_ = at::empty({sum.numel()}, sum.options());
-  at::Tensor in = swap_in_.narrow(0, 0, sum.numel());
+  // Bytes, viewed as the part's dtype: buckets and the used-parameter bitmap share it.
+  const int64_t bytes = sum.numel() * static_cast<int64_t>(sum.element_size());
+  if (!swap_in_.defined() || swap_in_.numel() < bytes)
+    swap_in_ = at::empty({bytes}, sum.options().dtype(at::kByte));
+  at::Tensor in = swap_in_.narrow(0, 0, bytes).view(sum.scalar_type());
   const int64_t n = std::min<int64_t>(kSwapChunks, std::max<int64_t>(1, sum.numel() / 1024));
   const std::vector<at::Tensor> mine = sum.chunk(n), theirs = in.chunk(n);
   std::vector<c10::intrusive_ptr<c10d::Work>> sends, recvs;
@@ -364,13 +365,13 @@ void ShmArena::reduce(size_t offset, const std::vector<Segment>& segments, at::S
       if (begin >= end) continue;
       at::Tensor sum = live.empty() ? part(rank_, begin, end).zero_() : sum_into(dst, begin, end);
       std::vector<at::Tensor> v{sum};
-      if (seg.owner < 0 && links->hosts == 2) {
-        swap_with_other_host(*links, sum, timeout_s, what);  // Note [Two hosts swap]
-        for (int q : live)
-          if (q != dst) part(q, begin, end).copy_(sum);
-      } else if (seg.owner < 0) {
-        // In chunks (allreduce_flat), so Gloo's worker threads send and sum at once.
-        wait_future(allreduce_flat(links->cross, sum), timeout_s, what + " (between hosts)");
+      if (seg.owner < 0) {
+        if (links->hosts == 2) {
+          swap_with_other_host(*links, sum, timeout_s, what);  // Note [Two hosts swap]
+        } else {
+          // In chunks (allreduce_flat), so Gloo's worker threads send and sum at once.
+          wait_future(allreduce_flat(links->cross, sum), timeout_s, what + " (between hosts)");
+        }
         for (int q : live)
           if (q != dst) part(q, begin, end).copy_(sum);
       } else {

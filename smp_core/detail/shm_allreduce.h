@@ -117,7 +117,7 @@ class ShmArena : public std::enable_shared_from_this<ShmArena> {
   uint64_t op_ = 0;  // operations issued by this rank (the same sequence everywhere)
   std::vector<int> global_;  // local rank -> global rank (errors name global ranks)
   std::shared_ptr<const HostLinks> links_;
-  at::Tensor swap_in_;  // Note [Two hosts swap]: what the other host sent, reused
+  at::Tensor swap_in_;  // Note [Two hosts swap]: what the other host sent (bytes), reused
 };
 
 }  // namespace smp::detail

@@ -155,8 +155,8 @@ std::vector<std::vector<int>> Topology::all_mp_groups() const {
 }
 
 std::string Topology::describe() const {
-  std::string s = str_cat("world=", world_, " pp=", pp_, " dp=", dp_size(), ":");
-  if (tp_ > 1) s = str_cat("world=", world_, " pp=", pp_, " tp=", tp_, " rdp=", rdp_, ":");
+  std::string s = tp_ > 1 ? str_cat("world=", world_, " pp=", pp_, " tp=", tp_, " rdp=", rdp_, ":")
+                          : str_cat("world=", world_, " pp=", pp_, " dp=", dp_size(), ":");
   for (int r = 0; r < world_; ++r) {
     s += tp_ > 1 ? str_cat(" ", r, "(pp", pp_rank(r), ",tp", tp_rank(r), ",rdp", rdp_rank(r), ")")
                  : str_cat(" ", r, "(pp", pp_rank(r), ",dp", dp_rank(r), ")");

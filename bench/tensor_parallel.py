@@ -306,7 +306,7 @@ def load_slices(net, sd):
             p.copy_(full)
 
 
-def smp_setup(cfg):
+def smp_setup(cfg, adam_kind):
     import torch
     import torch.nn.functional as F
     import smp
@@ -316,7 +316,7 @@ def smp_setup(cfg):
     net = smp_stack()
     load_slices(net, full_state())
     model = smp.DistributedModel(net)
-    opt = smp.DistributedOptimizer(adam(net.parameters(), cfg.get("_adam", "default")))
+    opt = smp.DistributedOptimizer(adam(net.parameters(), adam_kind))
 
     @smp.step
     def train(x, mask, target):
@@ -337,7 +337,7 @@ def smp_setup(cfg):
 def run_smp(args):
     import smp
     cfg = json.loads(args.config)
-    net, model, opt, step = smp_setup(cfg)
+    net, model, opt, step = smp_setup(cfg, args.adam)
     first, times = timed_steps(step, args.steps, smp.barrier)
     ms = smp.allgather(statistics.median(times))
     if smp.rank() == 0:
@@ -354,7 +354,7 @@ def state_bytes(net, opt):
 def run_mem(args):
     import smp
     cfg = json.loads(args.config)
-    net, model, opt, step = smp_setup(cfg)
+    net, model, opt, step = smp_setup(cfg, args.adam)
     step()
     params, state = state_bytes(net, opt)
     rows = smp.allgather([params, state])
@@ -423,12 +423,13 @@ def main():
             if r == 0 and "," in adam_kinds and torch_runs[0]["ms"]:
                 # the later rounds time only the implementation that won the first
                 adam_kinds = min(torch_runs[0]["ms"], key=torch_runs[0]["ms"].get)
-            floor_runs.append(job(2, ["--role", "floor", "--adam", "foreach"] + steps))
+            floor_runs.append(job(2, ["--role", "floor", "--adam", adam_kinds] + steps))
             if args.only == "torch":
                 continue
-            smp_runs.append(job(2, ["--role", "smp", "--config", smp_cfg(2)] + steps))
-            unscaled_runs.append(job(2, ["--role", "smp", "--config",
-                                         smp_cfg(2, prescaled=False)] + steps))
+            # The same Adam implementation as torch's best (plain tensors: one group).
+            smp_args = ["--role", "smp", "--adam", adam_kinds] + steps
+            smp_runs.append(job(2, smp_args + ["--config", smp_cfg(2)]))
+            unscaled_runs.append(job(2, smp_args + ["--config", smp_cfg(2, prescaled=False)]))
         best = min(torch_runs[0]["ms"], key=torch_runs[0]["ms"].get)
         ref = reference_loss0()  # the unsplit stack's first loss: torch TP must give it
         if not math.isclose(torch_runs[0]["loss0"][best], ref, rel_tol=1e-4):
@@ -455,7 +456,7 @@ def main():
                         "ratio_unscaled": round(unscaled_ms / torch_ms, 3),
                         "ratio_per_sample_unscaled": round(unscaled_ms / 2 / torch_ms, 3)})
     if args.only in ("all", "mem"):
-        mem = {tp: job(tp, ["--role", "mem", "--config", smp_cfg(tp), "--steps", "1"],
+        mem = {tp: job(tp, ["--role", "mem", "--adam", "foreach", "--config", smp_cfg(tp)],
                        bind=False) for tp in (1, 2, 4)}
         one = mem[1]["params"][0] + mem[1]["state"][0]
         out["mem_mb_tp1"] = round(one / 2**20, 2)

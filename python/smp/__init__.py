@@ -21,7 +21,11 @@ from smp.optimizer import DistributedOptimizer
 from smp.partitioning import partition
 from smp.activation_checkpointing import set_activation_checkpointing
 from smp.deferred_init import delay_param_initialization
-from smp.mixed_precision import model_creation
+from smp.tp_substitution import (
+    model_creation, set_tensor_parallelism, tensor_parallelism, tp_register,
+    tp_register_with_module,
+)
+import smp.nn.huggingface  # noqa: F401,E402  (smp.nn.huggingface.gpt2 / .bert: no transformers import)
 from smp.step import StepOutput, step
 from smp.checkpoint import (
     CheckpointError, load, resume_from_checkpoint, save, save_checkpoint,
@@ -80,4 +84,5 @@ __all__ = [
     "clip_grad_norm_", "ModelMismatchError", "UnreducedGradientError", "TiedCopiesError", "__version__", "CheckpointError", "save", "load", "save_checkpoint",
     "resume_from_checkpoint", "set_activation_checkpointing", "delay_param_initialization", "model_creation",
     "nn", "optimizers",
+    "tp_register", "tp_register_with_module", "tensor_parallelism", "set_tensor_parallelism",
 ]

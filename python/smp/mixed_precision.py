@@ -7,8 +7,8 @@ Note [Half-precision model]
   (each Parameter keeps its Python object, so the optimizer still holds it). A model
   built under `smp.delay_param_initialization` is materialized straight into that
   dtype, one recording at a time, so no rank ever holds its part in fp32;
-  `smp.model_creation(dtype=...)` builds the modules in it from the start (torch's
-  default dtype inside the block).
+  `smp.model_creation(dtype=...)` (smp/tp_substitution.py) builds the modules in it
+  from the start (torch's default dtype inside the block).
 - `smp.DistributedOptimizer` keeps an fp32 master copy of each half-precision
   parameter it steps (Note [Master weights]); bf16 too, unless
   `master_weights=False`.
@@ -41,7 +41,7 @@ from smp.groups import get_pp_process_group, get_world_process_group
 from smp.nested import map_leaves
 from smp.ranks import pp_size
 
-__all__ = ["model_creation"]
+__all__ = []
 
 MASTER_KEY = "_smp_fp32_master"
 SCALER_KEY = "_smp_loss_scaler"
@@ -62,36 +62,6 @@ def model_dtype():
 
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-@contextlib.contextmanager
-def model_creation(tensor_parallelism=False, dtype=None, **tensor_parallel_config):
-    """SMP v1.10's context for building the model: with `dtype` (torch.float16,
-    torch.bfloat16 or torch.float32) the floating-point parameters and buffers of the
-    modules built inside are created in it (torch's default dtype inside the block).
-
-    Args:
-        tensor_parallelism: must be False (smp has no tensor parallelism yet).
-        dtype: the dtype of the modules built inside, or None (as they are).
-    """
-    if tensor_parallelism or tensor_parallel_config:
-        raise _C.ConfigError(
-            f"smp.model_creation: tensor_parallelism={tensor_parallelism!r} and "
-            f"{sorted(tensor_parallel_config)} are not supported yet (allowed: "
-            "tensor_parallelism=False and no tensor-parallel arguments)")
-    allowed = (None, torch.float16, torch.bfloat16, torch.float32)
-    if dtype not in allowed:
-        raise _C.ConfigError(f"smp.model_creation: dtype={dtype!r} is not allowed (allowed: "
-                               "None, torch.float16, torch.bfloat16, torch.float32)")
-    if dtype is None:
-        yield
-        return
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 def cast_module(module, later=lambda t: False):

@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from smp import activation_checkpointing, agreement, deferred_init, grad_guard, grad_norm
-from smp import mixed_precision, optimizer_sharding, process_state
+from smp import mixed_precision, optimizer_sharding, process_state, tp_substitution
 from smp import join as _join
 from smp._C import ConfigError
 from smp.ddp_comm_hooks._groups import resolve_hook_state
@@ -126,6 +126,9 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
                 f"smp: config 'ddp'=false but the world holds {dp_size()} model replicas "
                 f"(world {size()} / partitions {cfg.partitions}); set 'ddp': true so "
                 "their gradients are reduced")
+        # Note [Substitution] (smp/tp_substitution.py): the distributed modules replace
+        # the tp-enabled registered ones before anything reads the model.
+        module = tp_substitution.substitute(module)
         lazy = deferred_init.lazy_modules(module)
         if lazy:
             raise ValueError(f"smp.DistributedModel: modules {lazy} are torch lazy modules, "

@@ -327,9 +327,11 @@ def test_model_creation_builds_in_the_dtype_and_restores_the_default():
     with pytest.raises(smp.ConfigError, match=r"dtype=torch.int8 .*allowed"):
         with smp.model_creation(dtype=torch.int8):
             pass
-    with pytest.raises(smp.ConfigError, match="tensor_parallelism=True"):
-        with smp.model_creation(tensor_parallelism=True):
-            pass
+    # tensor_parallelism opens an enabled smp.tensor_parallelism context (its hints too)
+    from smp.tp_substitution import tp_config
+    with smp.model_creation(tensor_parallelism=True, fused_softmax=True):
+        layer = torch.nn.Linear(2, 2)
+    assert tp_config(layer) == (True, {"distribute_embedding": False, "fused_softmax": True})
 
 
 HF_FP16 = r"""

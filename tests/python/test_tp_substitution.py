@@ -200,3 +200,81 @@ def test_bert_translation_round_trip_is_exact():
     assert len(ours) == len(sd)
     back = translate_state_dict_to_hf_bert(ours)
     assert sorted(back) == sorted(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+HF_TP2 = r"""
+import json, sys
+import torch, transformers as tf
+import smp
+
+CFG = {"partitions": 1, "ddp": True, "tensor_parallel_degree": 2, "timeout_s": 60}
+smp.init(CFG)
+if not hasattr(smp.nn, "DistributedTransformerLMHead"):
+    print("TPSUB " + json.dumps({"skip": "smp.nn has no distributed modules yet"}), flush=True)
+    sys.exit(0)
+
+
+def build(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return tf.AutoModelForCausalLM.from_config(tf.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0))
+    return tf.BertForMaskedLM(tf.BertConfig(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+out = {}
+for kind in ("gpt2", "bert"):
+    ref = build(kind)
+    with smp.model_creation(tensor_parallelism=True):
+        net = build(kind)
+    model = smp.DistributedModel(net)
+    m = model.get_module()
+    out[kind + "_layers"] = (type(m.transformer.seq_layers[0]).__name__ if kind == "gpt2"
+                             else type(m.bert.encoder.layer[0]).__name__)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    @smp.step
+    def step(ids, mask):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids)["loss"]
+        model.backward(loss)
+        return loss
+
+    diffs = []
+    dp = smp.dp_size()
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 1000, (4 * dp, 16), generator=g)
+        mask = torch.ones(4 * dp, 16, dtype=torch.long)
+        mask[1, 12:] = 0
+        mask[6, 9:] = 0
+        mine = slice(4 * smp.dp_rank(), 4 * (smp.dp_rank() + 1))
+        loss = step(ids[mine], mask[mine]).reduce_mean().item()
+        opt.step()
+        opt.zero_grad()
+        halves = [ref(input_ids=ids[4 * d:4 * d + 4], attention_mask=mask[4 * d:4 * d + 4],
+                      labels=ids[4 * d:4 * d + 4])["loss"] for d in range(dp)]
+        (sum(halves) / dp).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs.append(abs(loss - halves[smp.dp_rank()].item()))
+    out[kind] = diffs
+    smp.shutdown()
+    smp.init(CFG)
+print("TPSUB " + json.dumps(out), flush=True)
+"""
+
+
+def test_hf_gpt2_and_bert_substituted_at_tp2_train_as_the_plain_models(ranks):
+    res = ranks(HF_TP2, 2, timeout=120)
+    outs = [json.loads(r.stdout.split("TPSUB ", 1)[1].splitlines()[0]) for r in res]
+    if "skip" in outs[0]:
+        pytest.skip(outs[0]["skip"])
+    for out in outs:
+        assert out["gpt2_layers"] == out["bert_layers"] == "DistributedTransformerLayer"
+        assert max(out["gpt2"]) < 1e-5, out
+        assert max(out["bert"]) < 1e-5, out

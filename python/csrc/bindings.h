@@ -18,6 +18,7 @@ void bind_model(pybind11::module_& m);       // DistributedModel's checks (finge
 void bind_launcher(pybind11::module_& m);    // launcher/'s SLURM parsing (smp.init under srun)
 void bind_amp(pybind11::module_& m);         // loss scaler, overflow check (mixed precision)
 void bind_optim(pybind11::module_& m);       // fused optimizer steps (LAMB, NovoGrad)
+void bind_tp(pybind11::module_& m);          // tensor parallelism (slices, tp collectives)
 
 // Seconds a binding's collective may wait when the caller gives none: the runtime's
 // timeout_s after smp.init, else 300 (bind_reducer.cpp).

@@ -11,6 +11,7 @@ PYBIND11_MODULE(_C, m) {
   smp::python::bind_join(m);
   smp::python::bind_powersgd(m);
   smp::python::bind_model(m);
+  smp::python::bind_tp(m);
   smp::python::bind_launcher(m);
   smp::python::bind_amp(m);
   smp::python::bind_optim(m);

@@ -1,0 +1,126 @@
+"""smp.nn's distributed modules at tp=2 against their reference modules in one process
+(tests/python/tp_reference.py), forward and backward within 1e-5 in fp32, dropout on
+under a fixed seed: with each tp rank reading its own batch (the reference sees both
+ranks' batches) and with prescaled_batch (both read the same batch). The weights come
+from the same seed, not from a copy: each rank's slice must equal the reference's."""
+import json
+import os
+
+import pytest
+
+MODULES = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import torch, torch.distributed as dist
+import smp, tp_reference as ref
+
+prescaled = sys.argv[1] == "prescaled"
+smp.init({"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": prescaled,
+          "timeout_s": 60})
+tp, me = smp.tp_size(), smp.tp_rank()
+group = smp.get_tp_process_group()
+N, S, H, HEADS, I, V = 2, 6, 16, 4, 32, 50
+out = {}
+
+def rows(t):  # this rank's part of the group's batch
+    return t if prescaled or t.shape[0] != tp * N else t[me * N:(me + 1) * N]
+
+def whole(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((N if prescaled else tp * N,) + shape, generator=g)
+
+def check(name, make_dist, make_ref, inputs, grad_of=(0,), out_index=None):
+    torch.manual_seed(7)
+    d = make_dist()
+    torch.manual_seed(7)
+    r = make_ref()
+    # Weights: the reference's slice (distributed) or whole (replicated).
+    rp = dict(r.named_parameters())
+    wdiff = 0.0
+    for n, p in d.named_parameters():
+        key = n.replace("linear.", "")
+        full = rp[key]
+        if hasattr(p, "_smp_tp_dim"):
+            start, length = p._smp_tp_slice
+            full = full.narrow(p._smp_tp_dim, start, length)
+        wdiff = max(wdiff, (full - p).abs().max().item())
+    d.train(); r.train()
+    xs_d = [rows(x).clone().requires_grad_(x.is_floating_point() and i in grad_of)
+            if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
+    xs_r = [x.clone().requires_grad_(x.is_floating_point() and i in grad_of)
+            if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
+    torch.manual_seed(11)
+    yd = d(xs_d[0] if len(xs_d) == 1 else tuple(xs_d))
+    torch.manual_seed(11)
+    yr = r(xs_r[0] if len(xs_r) == 1 else tuple(xs_r))
+    if out_index is not None:
+        yd, yr = yd[out_index], yr[out_index]
+    g = torch.Generator().manual_seed(3)
+    gy = torch.randn(yr.shape, generator=g)
+    (yd * rows(gy)).sum().backward()
+    (yr * gy).sum().backward()
+    fdiff = (yd - rows(yr)).abs().max().item()
+    gdiff = 0.0
+    for i in grad_of:
+        gdiff = max(gdiff, (xs_d[i].grad - rows(xs_r[i].grad)).abs().max().item())
+    for n, p in d.named_parameters():
+        full = rp[n.replace("linear.", "")].grad
+        grad = p.grad
+        if hasattr(p, "_smp_tp_dim"):
+            start, length = p._smp_tp_slice
+            full = full.narrow(p._smp_tp_dim, start, length)
+        elif not prescaled:  # a replicated parameter saw this rank's rows only
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+        gdiff = max(gdiff, (full - grad).abs().max().item())
+    out[name] = [wdiff, fdiff, gdiff]
+
+mask = torch.zeros((N if prescaled else tp * N), 1, 1, S)
+mask[0, ..., -2:] = -10000.0
+mask[-1, ..., :1] = -10000.0
+kw = dict(num_attention_heads=HEADS, attention_head_size=H // HEADS, hidden_size=H,
+          attention_dropout_prob=0.2, hidden_dropout_prob=0.3)
+check("linear", lambda: smp.nn.DistributedLinear(H, 8), lambda: torch.nn.Linear(H, 8),
+      [whole((S, H), 1)])
+ids = torch.randint(0, V, ((N if prescaled else tp * N), S), generator=torch.Generator().manual_seed(5))
+check("embedding", lambda: smp.nn.DistributedEmbedding(V, H),
+      lambda: ref.embedding(V, H), [ids], grad_of=())
+for pre, post, causal in [(False, True, None), (True, False, S), (True, True, S)]:
+    a = dict(kw, pre_layernorm=pre, post_layernorm=post, causal_mask_size=causal)
+    check(f"attention pre={pre} post={post}", lambda: smp.nn.DistributedAttentionLayer(**a),
+          lambda: ref.Attention(**a), [whole((S, H), 2), mask])
+    o = dict(hidden_size=H, intermediate_size=I, hidden_dropout_prob=0.3, activation="gelu_new",
+             pre_layernorm=pre, post_layernorm=post)
+    check(f"output pre={pre} post={post}", lambda: smp.nn.DistributedTransformerOutputLayer(**o),
+          lambda: ref.Output(**o), [whole((S, H), 3)])
+cross = dict(kw, cross_attention=True)
+check("cross attention", lambda: smp.nn.DistributedAttentionLayer(**cross),
+      lambda: ref.Attention(**cross), [whole((S, H), 4), whole((S + 2, H), 5),
+                                       torch.zeros(1, 1, 1, S + 2)], grad_of=(0, 1))
+lay = dict(kw, intermediate_size=I, activation="relu")
+check("layer", lambda: smp.nn.DistributedTransformerLayer(**lay), lambda: ref.Layer(**lay),
+      [whole((S, H), 6), mask], out_index=0)
+st = dict(kw, intermediate_size=I, num_layers=2, pre_layernorm=True, post_layernorm=True,
+          causal_mask_size=S)
+check("transformer", lambda: smp.nn.DistributedTransformer(**st),
+      lambda: ref.Transformer(**st), [whole((S, H), 7), mask], out_index=0)
+lm = dict(st, vocab_size=V, num_positions=S, activation="gelu_new")
+pad = torch.zeros((N if prescaled else tp * N), S)
+pad[-1, -1] = 1
+check("lm head", lambda: smp.nn.DistributedTransformerLMHead(**lm), lambda: ref.LMHead(**lm),
+      [ids, pad, None, None, ids], grad_of=(), out_index=1)
+print("MODULES " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["own", "prescaled"])
+def test_modules_equal_their_reference_at_tp2(ranks, mode):
+    here = os.path.dirname(os.path.abspath(__file__))
+    res = ranks(MODULES, 2, args=(mode, here), timeout=180)
+    for r in res:
+        got = json.loads(r.stdout.split("MODULES ", 1)[1].splitlines()[0])
+        assert len(got) == 12
+        for name, (wdiff, fdiff, gdiff) in got.items():
+            assert wdiff == 0.0, (name, "weights", wdiff)
+            assert fdiff < 1e-5, (name, "forward", fdiff)
+            assert gdiff < 1e-5, (name, "backward", gdiff)

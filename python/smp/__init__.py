@@ -18,7 +18,7 @@ from smp.agreement import ModelMismatchError
 from smp.grad_guard import UnreducedGradientError
 from smp.placement import TiedCopiesError
 from smp.optimizer import DistributedOptimizer
-from smp.partitioning import partition
+from smp.partitioning import partition, set_partition
 from smp.activation_checkpointing import set_activation_checkpointing
 from smp.deferred_init import delay_param_initialization
 from smp.tp_substitution import (
@@ -80,7 +80,7 @@ __all__ = [
     "MP_GROUP", "WORLD_RANK", "PP_RANK", "TP_RANK", "RDP_RANK", "DP_RANK", "MP_RANK",
     "barrier", "pp_barrier", "dp_barrier", "mp_barrier", "broadcast", "send",
     "recv_from", "allgather", "gather", "num_microbatches", "is_tracing", "amp",
-    "DistributedModel", "DistributedOptimizer", "GradBucket", "ddp_comm_hooks", "StepOutput", "step", "partition", "model",
+    "DistributedModel", "DistributedOptimizer", "GradBucket", "ddp_comm_hooks", "StepOutput", "step", "partition", "set_partition", "model",
     "clip_grad_norm_", "ModelMismatchError", "UnreducedGradientError", "TiedCopiesError", "__version__", "CheckpointError", "save", "load", "save_checkpoint",
     "resume_from_checkpoint", "set_activation_checkpointing", "delay_param_initialization", "model_creation",
     "nn", "optimizers",

@@ -48,6 +48,25 @@ def partition(index):
         _stack.pop()
 
 
+def set_partition(module, index):
+    """SMP's `smp.set_partition(module, index)`: places `module` (and what it contains
+    that has no placement of its own) on partition `index`, like creating it inside
+    `smp.partition(index)`. Call it before the first step partitions the model (after
+    `smp.DistributedModel(...)` is fine, on `model.get_module()`'s modules); it is
+    honoured when `auto_partition` is False.
+
+    Raises:
+        TypeError: `module` is not an nn.Module.
+        ValueError: `index` is not an integer >= 0.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"smp.set_partition: module must be an nn.Module, got "
+                        f"{type(module).__name__}")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"smp.set_partition: index={index!r} is not an integer >= 0")
+    object.__setattr__(module, "_smp_partition", index)
+
+
 def manual_partition_of(module):
     """The partition a module was created under, or -1."""
     return getattr(module, "_smp_partition", -1)

@@ -86,9 +86,15 @@ void Reducer::Impl::prepare(bool sync, double grad_scale, const std::vector<at::
     return;
   }
   phase = Phase::kSync;
-  factor = grad_scale / (default_hook ? (active_ranks > 0 ? active_ranks : world) : 1);
-  scale = c10::scalar_to_tensor(factor);
-  scale.unsafeGetTensorImpl()->set_wrapped_number(true);
+  // Note [Slices reduce over their rdp group]: the batches that contributed.
+  const double batches = active_ranks > 0 ? active_ranks : world;
+  factor[0] = grad_scale / (default_hook ? batches : 1);
+  factor[1] = grad_scale /
+              (default_hook ? (opts.prescaled_batch ? batches * slice_world / world : batches) : 1);
+  for (int g = 0; g < 2; ++g) {
+    scale[g] = c10::scalar_to_tensor(factor[g]);
+    scale[g].unsafeGetTensorImpl()->set_wrapped_number(true);
+  }
   std::fill(ready.begin(), ready.end(), 0);
   std::fill(used.begin(), used.end(), 0);
   for (auto& bk : buckets) bk.pending = bk.params.size();
@@ -149,11 +155,13 @@ void Reducer::Impl::mark_ready_locked(int64_t i) {
       throw std::runtime_error(str_cat("smp: Reducer: parameter ", i,
                                        " has a sparse gradient; only dense ones are supported"));
     used[i] = 1;
+    const double f = factor[bk.group];
+    const at::Tensor& scale_by = scale[bk.group];
     if (opts.gradient_as_bucket_view && is_view_of(grad, view)) {
-      if (factor != 1.0) view.mul_(scale);
+      if (f != 1.0) view.mul_(scale_by);
     } else {
-      if (factor != 1.0) {
-        at::mul_out(view, grad, scale);
+      if (f != 1.0) {
+        at::mul_out(view, grad, scale_by);
       } else {
         view.copy_(grad);
       }
@@ -204,7 +212,7 @@ void Reducer::Impl::launch_locked(size_t b, bool shadow) {
   auto run = std::make_shared<detail::BucketRun>();
   run->bucket = std::make_shared<GradBucket>(
       b, buckets.size(), shadow ? at::zeros_like(bk.buffer) : bk.buffer, bk.tensors,
-      bk.offsets, pg, shadow);
+      bk.offsets, bk.group ? slice_pg : pg, shadow);
   runs[b] = run;
   std::string what = bucket_what(b);
   // See Note [Streams across threads]: the copies into the bucket were queued on this
@@ -414,6 +422,7 @@ Reducer::~Reducer() { impl_->shutdown(); }
 void Reducer::register_comm_hook(CommHookPtr hook) {
   if (!hook) throw ConfigError("smp: register_comm_hook: the hook is null");
   std::lock_guard<std::mutex> lock(impl_->mu);
+  check_slices(impl_->slicing(), hook->name(), false);
   if (impl_->sharded())
     throw ConfigError(str_cat(
         "smp: register_comm_hook(hook='", hook->name(), "'): with optimizer-state sharding "
@@ -482,6 +491,8 @@ ReducerStats Reducer::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->stats;
 }
+
+bool Reducer::sliced() const { return impl_->slicing(); }
 
 size_t Reducer::num_params() const { return impl_->params.size(); }
 

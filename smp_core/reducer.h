@@ -72,6 +72,16 @@ struct ReducerOptions {
   // to that rank only (a reduce-scatter); finalize() leaves .grad None on the others.
   // No comm hook can be registered. Empty: every rank keeps every gradient.
   std::vector<int> owners;
+  // Tensor parallelism (Note [Slices reduce over their rdp group],
+  // detail/reducer_build.cpp): sliced[i] != 0 marks parameter i as a tp slice, summed
+  // over `slice_group` (the rdp group, a subgroup of the reducer's group holding this
+  // rank's tp rank) instead of the whole group, and divided by the group's size or,
+  // with `prescaled_batch` (the tp ranks read the same batch), by slice_group's size.
+  // Empty (or a slice_group as large as the group, tp = 1): every parameter is
+  // replicated. No comm hook and no owners with slices (ConfigError, check_slices).
+  std::vector<int> sliced;
+  ProcessGroupPtr slice_group;
+  bool prescaled_batch = false;
 };
 
 // What the last finalize() saw. Times in milliseconds.
@@ -198,6 +208,13 @@ class Reducer {
   // between hosts]); null when flat, and on the other ranks of a host.
   ProcessGroupPtr hosts_group() const;
   ReducerStats stats() const;
+  // Whether some parameters are tp slices reduced over the slice group (above).
+  bool sliced() const;
+  // Throws ConfigError naming both settings where tp slices (`sliced`) meet what cannot
+  // reduce them yet: a comm hook (`hook`: its name, "" for none) or optimizer-state
+  // sharding (`sharded`). The reducer checks it itself; smp.DistributedModel also calls
+  // it at wrap time and in register_comm_hook, where every rank of every stage does.
+  static void check_slices(bool sliced, const std::string& hook, bool sharded);
   size_t num_params() const;
   const ProcessGroupPtr& process_group() const;
 
@@ -207,12 +224,13 @@ class Reducer {
 };
 
 // Splits `params` (indices into `tensors`, in `order`) into buckets: one running
-// bucket per (dtype, device); a bucket closes once it holds >= its cap (the first of
-// each key: min(first_bucket_bytes, bucket_cap_bytes)). Buckets are sorted by the
-// position of their first tensor in `order`.
+// bucket per (group, dtype, device); a bucket closes once it holds >= its cap (the
+// first of each key: min(first_bucket_bytes, bucket_cap_bytes)). Buckets are sorted by
+// the position of their first tensor in `order`. `groups[i]`: the process group that
+// reduces tensor i (0 or 1, Note [Slices reduce over their rdp group]); empty: all 0.
 std::vector<std::vector<int64_t>> compute_bucket_assignment(
     const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& order,
-    size_t bucket_cap_bytes, size_t first_bucket_bytes);
+    size_t bucket_cap_bytes, size_t first_bucket_bytes, const std::vector<int>& groups = {});
 
 // Broadcasts `tensors` in place from group rank `root`: flattened per dtype/device
 // into chunks of at most `bucket_bytes` (a larger tensor alone), one broadcast each.

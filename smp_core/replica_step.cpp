@@ -39,13 +39,23 @@ ForwardSync ReplicaStep::forward_sync(bool has_buffers) const {
 }
 
 ForwardSync ReplicaStep::sync_before_forward(const std::vector<at::Tensor>& params,
-                                             const std::vector<at::Tensor>& buffers) {
+                                             const std::vector<at::Tensor>& buffers,
+                                             const std::vector<int>& sliced,
+                                             const ProcessGroupPtr& slice_group) {
   auto& I = *impl_;
   const ForwardSync what = forward_sync(!buffers.empty());
   if (what == ForwardSync::kState) {
-    std::vector<at::Tensor> all(params);
+    SMP_CHECK(sliced.empty() || sliced.size() == params.size(),
+              "ReplicaStep::sync_before_forward: ", sliced.size(), " slice marks for ",
+              params.size(), " parameters");
+    const bool split = !sliced.empty() && slice_group && slice_group->getSize() < I.pg->getSize();
+    std::vector<at::Tensor> all, slices;
+    for (size_t i = 0; i < params.size(); ++i)
+      (split && sliced[i] ? slices : all).push_back(params[i]);
     all.insert(all.end(), buffers.begin(), buffers.end());
     broadcast_coalesced(I.pg, all, 0, kDefaultBucketBytesCap, I.opts.timeout_s);
+    // Every rank of the dp group knows the same marks, so all take this branch alike.
+    if (split) broadcast_coalesced(slice_group, slices, 0, kDefaultBucketBytesCap, I.opts.timeout_s);
     I.state_synced = true;
   } else if (what == ForwardSync::kBuffers) {
     broadcast_coalesced(I.pg, buffers, 0, kDefaultBucketBytesCap, I.opts.timeout_s);

@@ -81,9 +81,14 @@ class ReplicaStep {
   // What the next sync_before_forward broadcasts (kState until the first has run).
   ForwardSync forward_sync(bool has_buffers) const;
   // Broadcasts from dp rank 0 what forward_sync says: `params` and `buffers` the first
-  // time, `buffers` later. Returns what it broadcast.
+  // time, `buffers` later. Returns what it broadcast. Tensor parallelism: a parameter
+  // with `sliced[i]` set is a tp slice (Note [Slices reduce over their rdp group] in
+  // detail/reducer_build.cpp), which only the ranks of `slice_group` (the rdp group)
+  // hold alike: it is broadcast from that group's rank 0 instead (empty / null: none).
   ForwardSync sync_before_forward(const std::vector<at::Tensor>& params,
-                                  const std::vector<at::Tensor>& buffers);
+                                  const std::vector<at::Tensor>& buffers,
+                                  const std::vector<int>& sliced = {},
+                                  const ProcessGroupPtr& slice_group = nullptr);
 
   // --- the step -----------------------------------------------------------------------
 

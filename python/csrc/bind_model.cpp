@@ -84,8 +84,17 @@ void bind_model(py::module_& m) {
            py::arg("process_group"), py::arg("reduces"), py::arg("broadcast_buffers"),
            py::arg("backward_passes_per_step"), py::arg("timeout_s") = py::none())
       .def("forward_sync", &ReplicaStep::forward_sync, py::arg("has_buffers"))
-      .def("sync_before_forward", &ReplicaStep::sync_before_forward, py::arg("params"),
-           py::arg("buffers"), release())
+      .def("sync_before_forward",
+           [](ReplicaStep& s, const std::vector<at::Tensor>& params,
+              const std::vector<at::Tensor>& buffers, const std::vector<int>& sliced,
+              const py::object& slice_group) {
+             ProcessGroupPtr g;
+             if (!slice_group.is_none()) g = slice_group.cast<ProcessGroupPtr>();
+             py::gil_scoped_release nogil;
+             return s.sync_before_forward(params, buffers, sliced, g);
+           },
+           py::arg("params"), py::arg("buffers"), py::arg("sliced") = std::vector<int>{},
+           py::arg("slice_group") = py::none())
       .def("steps", &ReplicaStep::steps)
       .def("next_step_syncs", &ReplicaStep::next_step_syncs)
       .def("begin_step", &ReplicaStep::begin_step)

@@ -462,7 +462,8 @@ void bind_reducer(py::module_& m) {
       .def(py::init([](std::vector<at::Tensor> params, const ProcessGroupPtr& pg,
                        double bucket_cap_mb, bool gradient_as_bucket_view, bool overlapping,
                        std::optional<std::vector<int64_t>> expected_order, double timeout_s,
-                       bool shared_memory, std::vector<int> owners) {
+                       bool shared_memory, std::vector<int> owners, std::vector<int> sliced,
+                       const py::object& slice_group, bool prescaled_batch) {
              if (!(bucket_cap_mb > 0))
                throw ConfigError(str_cat("smp: Reducer bucket_cap_mb=", bucket_cap_mb,
                                          " must be > 0"));
@@ -475,6 +476,9 @@ void bind_reducer(py::module_& m) {
              o.timeout_s = timeout_s;
              o.shared_memory = shared_memory;
              o.owners = std::move(owners);
+             o.sliced = std::move(sliced);
+             if (!slice_group.is_none()) o.slice_group = slice_group.cast<ProcessGroupPtr>();
+             o.prescaled_batch = prescaled_batch;
              Reducer* r;
              {
                py::gil_scoped_release nogil;  // the constructor allgathers
@@ -492,7 +496,9 @@ void bind_reducer(py::module_& m) {
            py::arg("params"), py::arg("process_group"), py::arg("bucket_cap_mb") = 25.0,
            py::arg("gradient_as_bucket_view") = false, py::arg("overlapping") = true,
            py::arg("expected_order") = py::none(), py::arg("timeout_s") = 300.0,
-           py::arg("shared_memory") = true, py::arg("owners") = std::vector<int>{})
+           py::arg("shared_memory") = true, py::arg("owners") = std::vector<int>{},
+           py::arg("sliced") = std::vector<int>{}, py::arg("slice_group") = py::none(),
+           py::arg("prescaled_batch") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("sync"),
            py::arg("grad_scale") = 1.0, py::arg("outputs") = std::vector<at::Tensor>{},
            release())
@@ -528,6 +534,11 @@ void bind_reducer(py::module_& m) {
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("rebuilt", &Reducer::rebuilt)
       .def("shared_memory", &Reducer::shared_memory)
+      .def("sliced", &Reducer::sliced)
+      .def_static("check_slices", &Reducer::check_slices, py::arg("sliced"),
+                  py::arg("hook") = std::string(), py::arg("sharded") = false,
+                  "Raises smp.ConfigError where tp slices meet a comm hook (its name) or "
+                  "optimizer-state sharding (Note [Slices reduce over their rdp group]).")
       .def("hierarchy", &Reducer::hierarchy)
       .def_property_readonly("hosts_group", &Reducer::hosts_group)
       .def("stats", [](const Reducer& r) { return stats_dict(r.stats()); })

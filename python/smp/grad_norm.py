@@ -7,7 +7,8 @@ counts (a tied parameter counts once, on its lowest holder), one allreduce over 
 group adds the partitions up (MAX for the inf-norm), and every rank scales its
 gradients by the same factor. dp replicas hold equal gradients after the reduction, so
 they are not summed again (with optimizer-state sharding each dp rank counts the
-gradients it keeps, and the sum is over every rank). Same arithmetic as torch 1.13's clip_grad_norm_:
+gradients it keeps, and the sum is over every rank). Under tensor parallelism (Note
+[Norm over tp slices]) the sum is over the mp group (pp x tp). Same arithmetic as torch 1.13's clip_grad_norm_:
 coef = max_norm / (norm + 1e-6), clamped to 1. `global_norm` is that norm, for
 clip_grad_norm_ and for smp.optimizers.FusedLamb's clipping (Note [LAMB's global
 norm] in smp/optimizers.py).
@@ -21,6 +22,16 @@ another number, silently. Once a DistributedModel exists, torch's function is wr
 called with exactly that model's parameters (every one this rank holds, nothing else)
 it computes the global norm here, on every rank as the call is made on every rank;
 called with anything else it is torch's.
+
+Note [Norm over tp slices]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+With tensor_parallel_degree > 1 a distributed parameter (`_smp_tp_dim`) is a different
+slice on each tp rank of a stage, and a replicated one the same tensor on each (the
+reducer made their gradients equal, Note [Slices reduce over their rdp group] in
+smp_core/detail/reducer_build.cpp). The global norm counts every slice once and every
+replicated gradient once: each tp rank counts its slices, only tp rank 0 counts the
+replicated gradients, and the sum is over the mp group (pp x tp), the stage's tp ranks
+and the partitions at once.
 """
 import math
 
@@ -28,9 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as clip_grad
 
-from smp.groups import get_pp_process_group, get_world_process_group
+from smp.groups import get_mp_process_group, get_world_process_group
 from smp.process_state import is_initialized, state
-from smp.ranks import pp_size
+from smp.ranks import pp_size, tp_rank, tp_size
 
 __all__ = []
 
@@ -89,6 +100,8 @@ def counted(model, params, grad_of=None):
     shard = model.replica.shard
     if shard is not None:
         counted = [p for p in counted if shard.owns(p)]
+    elif tp_size() > 1 and tp_rank() > 0:  # Note [Norm over tp slices]
+        counted = [p for p in counted if hasattr(p, "_smp_tp_dim")]
     return counted
 
 
@@ -107,7 +120,8 @@ def global_norm(model, params, norm_type=2.0, local=_torch_local, grad_of=None):
     the same 0-d tensor on every rank. Each rank sums its counted(model, params) by
     `local(grads, norm_type)` (sum |g|^p, or max |g| for inf, a 0-d tensor); one
     all_reduce adds the ranks up: over the world with sharded optimizer state, over the
-    pp group at partitions > 1 (collective there: every rank of the group calls it).
+    mp group (pp x tp; Note [Norm over tp slices]) at partitions > 1 or
+    tensor_parallel_degree > 1 (collective there: every rank of the group calls it).
     dp replicas hold equal gradients after the reduction, so unsharded they are not
     summed again.
 
@@ -119,8 +133,9 @@ def global_norm(model, params, norm_type=2.0, local=_torch_local, grad_of=None):
     device = first.device if first is not None else torch.device("cpu")
     grads = [grad_of(p).detach() for p in counted(model, params, grad_of)]
     total = local(grads, norm_type).to(device)
+    # Note [Norm over tp slices]: the mp group is the pp group when tp = 1.
     group = (get_world_process_group() if model.replica.shard is not None
-             else get_pp_process_group() if pp_size() > 1 else None)
+             else get_mp_process_group() if pp_size() > 1 or tp_size() > 1 else None)
     if group is not None:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         total = total.float() if total.dtype not in (torch.float32, torch.float64) else total
@@ -130,13 +145,13 @@ def global_norm(model, params, norm_type=2.0, local=_torch_local, grad_of=None):
 
 def spanning_model():
     """The DistributedModel whose gradients span more than this rank (partitioned, with
-    partitions > 1 or sharded optimizer state), or None."""
+    partitions > 1, tensor_parallel_degree > 1 or sharded optimizer state), or None."""
     if not is_initialized():
         return None
     model = getattr(state, "model", None)
     if model is None or not model.partitioned:
         return None
-    if pp_size() == 1 and model.replica.shard is None:
+    if pp_size() == 1 and tp_size() == 1 and model.replica.shard is None:
         return None
     return model
 

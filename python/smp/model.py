@@ -18,13 +18,14 @@ import torch
 from smp import activation_checkpointing, agreement, deferred_init, grad_guard, grad_norm
 from smp import mixed_precision, optimizer_sharding, process_state, tp_substitution
 from smp import join as _join
+import smp._C as _C
 from smp._C import ConfigError
 from smp.ddp_comm_hooks._groups import resolve_hook_state
 from smp.groups import get_dp_process_group
 from smp.model_pipeline import PipelinePart
 from smp.model_state import COMPILED, ModelStateMixin, canonical_key
 from smp.model_views import LocalViewsMixin
-from smp.ranks import dp_size, pp_rank, pp_size, size
+from smp.ranks import dp_size, pp_rank, pp_size, size, tp_size
 from smp.replica import Replica
 
 __all__ = []
@@ -161,6 +162,9 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self._state_shapes = None   # their shapes (taken before other ranks' are released)
         self._pending_state = None  # load_state_dict before partitioning
         self._module_table = None   # (name, module) of the plain module, after partitioning
+        # Note [Slices reduce over their rdp group] (smp_core/detail/reducer_build.cpp):
+        # refused here, on every rank of every stage, rather than by one stage's reducer.
+        _C.Reducer.check_slices(self._has_tp_slices(), "", optimizer_sharding.enabled())
         self.replica = Replica(self.local_parameters, self.local_buffers, self.bucket_cap_mb,
                                gradient_as_bucket_view, overlapping_allreduce,
                                broadcast_buffers, backward_passes_per_step)
@@ -170,6 +174,11 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             self._guard_gradients()
         process_state.state.model = self
         grad_norm.redirect_torch_clip()  # Note [torch's clip on the whole model]
+
+    def _has_tp_slices(self):
+        """Whether the model holds tensor-parallel slices (parameters marked
+        `_smp_tp_dim`) under tensor_parallel_degree > 1."""
+        return tp_size() > 1 and any(hasattr(p, "_smp_tp_dim") for p in self.module.parameters())
 
     def _guard_gradients(self):
         # Note [Unreduced gradients] (smp/grad_guard.py): loss.backward() under ddp, or
@@ -462,6 +471,8 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         if not callable(hook):
             raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
         optimizer_sharding.check_hook(hook)
+        name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+        _C.Reducer.check_slices(self._has_tp_slices(), name, False)
         replica.comm_hook = (resolve_hook_state(state), hook)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):

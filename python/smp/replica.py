@@ -17,7 +17,7 @@ import smp._C as _C
 from smp import auto_resume, log
 from smp.collectives import allgather
 from smp.ddp_comm_hooks import _install
-from smp.groups import CommGroup, get_dp_process_group
+from smp.groups import CommGroup, get_dp_process_group, get_rdp_process_group
 from smp.process_state import state
 from smp.ranks import dp_rank, dp_size, get_dp_group, rank
 
@@ -25,6 +25,14 @@ __all__ = []
 
 # Note [Failed peer] (smp_core/reducer.cpp): store keys <prefix>/<rank>/<step>.
 FAILED_PEER_PREFIX = "smp/failed_peer"
+
+
+def sliced(params):
+    """The tensor-parallel marks of `params`: 1 for a distributed parameter (a slice,
+    `_smp_tp_dim`), 0 for a replicated one. The reducer and the first broadcast decide
+    what that means (Note [Slices reduce over their rdp group] in
+    smp_core/detail/reducer_build.cpp)."""
+    return [int(hasattr(p, "_smp_tp_dim")) for p in params]
 
 
 class Replica:
@@ -77,11 +85,12 @@ class Replica:
         return [p for p in self._local_parameters() if p.requires_grad]
 
     def sync_before_forward(self):
-        """dp rank 0's parameters and buffers on every replica before the first forward,
-        its buffers before later ones (when broadcast_buffers): the step policy's
-        decision (smp_core/replica_step.h)."""
-        return self.step.sync_before_forward(list(self._local_parameters()),
-                                             list(self._local_buffers()))
+        """dp rank 0's parameters and buffers on every replica before the first forward
+        (a tp slice: rdp rank 0's, over the rdp group), its buffers before later ones
+        (when broadcast_buffers): the step policy's decision (smp_core/replica_step.h)."""
+        params = list(self._local_parameters())
+        return self.step.sync_before_forward(params, list(self._local_buffers()),
+                                             sliced(params), get_rdp_process_group())
 
     def broadcasts_buffers(self):
         """Whether the next forward's sync broadcasts the buffers (Join broadcasts them
@@ -144,7 +153,9 @@ class Replica:
             gradient_as_bucket_view=self._gradient_as_bucket_view,
             overlapping=self._overlapping, expected_order=expected,
             timeout_s=state.cfg.timeout_s,
-            owners=self.shard.grad_owners() if self.shard is not None else [])
+            owners=self.shard.grad_owners() if self.shard is not None else [],
+            sliced=sliced(params), slice_group=get_rdp_process_group(),
+            prescaled_batch=bool(getattr(state.cfg, "prescaled_batch", False)))
         shape = self.reducer.hierarchy()  # Note [Hierarchical reduction]: said once
         if shape and dp_rank() == 0:
             log.get_logger().info("smp: %s", shape)

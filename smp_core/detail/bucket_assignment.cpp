@@ -9,6 +9,7 @@
 #include <map>
 #include <numeric>
 #include <string>
+#include <tuple>
 
 #include "smp_core/errors.h"
 #include "smp_core/reducer.h"
@@ -22,17 +23,19 @@ size_t nbytes(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.e
 
 std::vector<std::vector<int64_t>> compute_bucket_assignment(
     const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& order,
-    size_t bucket_cap_bytes, size_t first_bucket_bytes) {
+    size_t bucket_cap_bytes, size_t first_bucket_bytes, const std::vector<int>& groups) {
   struct Open {
     std::vector<int64_t> members;
     size_t bytes = 0;
     bool first = true;  // the next bucket of this key is its first
   };
-  std::map<std::pair<int, std::string>, Open> open;  // (dtype, device) -> running bucket
+  // (group, dtype, device) -> running bucket
+  std::map<std::tuple<int, int, std::string>, Open> open;
   std::vector<std::vector<int64_t>> done;
   for (int64_t i : order) {
     const auto& t = tensors.at(i);
-    Open& o = open[{static_cast<int>(t.scalar_type()), t.device().str()}];
+    const int group = groups.empty() ? 0 : groups.at(i);
+    Open& o = open[{group, static_cast<int>(t.scalar_type()), t.device().str()}];
     o.members.push_back(i);
     o.bytes += nbytes(t);
     size_t cap = o.first ? std::min(first_bucket_bytes, bucket_cap_bytes) : bucket_cap_bytes;

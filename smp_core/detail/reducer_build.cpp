@@ -32,6 +32,52 @@ namespace smp {
 
 using detail::align64;
 
+// Note [Slices reduce over their rdp group]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under tensor parallelism (docs/tensor_parallel.md, "the contract") the dp group
+// spans tp x rdp ranks. A replicated parameter is the same tensor on all of them: its
+// gradients are summed over the dp group, as without tp. A distributed parameter
+// (`_smp_tp_dim`) is a different slice on each tp rank: only the ranks with the same tp
+// rank, its rdp group, hold the same slice, so its gradients are summed over the rdp
+// group alone (ReducerOptions::sliced, slice_group). One reducer does both:
+// - Buckets are keyed by group as well as dtype/device (compute_bucket_assignment's
+//   `groups`; arranged() splits a saved mixed bucket), so each bucket has one group,
+//   and its GradBucket carries that group's process group.
+// - Every bucket, of either group, goes through the one comm queue in bucket order, as
+//   before: the layout is the same on every rank of the dp group (checked with the
+//   marks in verify_across_ranks; the tp ranks' slices have equal shapes), so every
+//   rank issues the same collectives on each group in the same order, and the rdp
+//   groups (disjoint subsets of the dp group) never wait on one another.
+// - Divisors (prepare()): a gradient is averaged over the batches that contributed.
+//   Replicated: the dp group's size (each rank's own batch). Slices: without
+//   prescaled_batch each tp rank's slice gradient already sums its tp group's
+//   batches (the module gathered them), so the rdp sum covers dp-size batches: also the
+//   dp size; with prescaled_batch the tp ranks share one batch and the rdp sum covers
+//   rdp-size batches: the rdp size. Join's active ranks scale both alike.
+// - Slice buckets live outside the shared-memory arena and are summed by allreduce over
+//   the rdp group (make_slice_routed_hook): the arena sums over every rank of the dp
+//   group. The used bitmap and the rebuild order stay on the dp group.
+// - A comm hook (PowerSGD, compression) reduces whole buckets over one group with its
+//   own state, and owners (optimizer-state sharding) are dp ranks: neither is made for
+//   slices yet, so check_slices refuses both, naming the two settings.
+// With tp = 1 the rdp group is the dp group and the marks change nothing.
+
+void Reducer::check_slices(bool sliced, const std::string& hook, bool sharded) {
+  if (!sliced) return;
+  static const char* kWhy =
+      " reduces over the whole dp group, but tensor-parallel slices (parameters with "
+      "_smp_tp_dim, from distributed modules under config 'tensor_parallel_degree' > 1) "
+      "must be reduced over their rdp group; not supported yet together: ";
+  if (!hook.empty())
+    throw ConfigError(str_cat("smp: the comm hook '", hook, "'", kWhy,
+                              "register no comm hook, or use no distributed modules"));
+  if (sharded)
+    throw ConfigError(str_cat("smp: config 'shard_optimizer_state'=true (each gradient "
+                              "reduced to the dp rank that steps it)", kWhy,
+                              "set 'shard_optimizer_state' to false, or use no distributed "
+                              "modules"));
+}
+
 void Reducer::Impl::init() {
   SMP_CHECK(pg, "Reducer: process group is null");
   rank = pg->getRank();
@@ -73,6 +119,31 @@ void Reducer::Impl::init() {
                                 " parameters a rank of the group (0..", world - 1,
                                 ") or -1 (every rank)"));
   }
+  if (!opts.sliced.empty()) {  // Note [Slices reduce over their rdp group]
+    if (static_cast<int64_t>(opts.sliced.size()) != n)
+      throw ConfigError(str_cat("smp: Reducer: sliced (", opts.sliced.size(),
+                                " entries) must mark each of the ", n, " parameters"));
+    const bool any = std::any_of(opts.sliced.begin(), opts.sliced.end(),
+                                 [](int s) { return s != 0; });
+    if (any && !opts.slice_group)
+      throw ConfigError("smp: Reducer: parameters are marked sliced but no slice_group "
+                        "(the rdp process group) reduces them");
+    if (any) {
+      slice_pg = opts.slice_group;
+      slice_world = slice_pg->getSize();
+      if (slice_world > world || world % slice_world != 0)
+        throw ConfigError(str_cat("smp: Reducer: the slice group's size ", slice_world,
+                                  " does not divide the size ", world, " of ", group));
+      // tp = 1: the rdp group is the dp group, and a slice is a whole parameter.
+      if (slice_world < world) {
+        groups.assign(n, 0);
+        for (int64_t i = 0; i < n; ++i) groups[i] = opts.sliced[i] != 0;
+        slice_group = str_cat("the rdp process group (", slice_pg->getBackendName(), ", rank ",
+                              slice_pg->getRank(), " of ", slice_world, ")");
+      }
+    }
+  }
+  Reducer::check_slices(slicing(), "", sharded());
   verify_across_ranks(order);
   bitmap_slots = detail::UsedBitmap(params.size(), world);
   rebuild_pending = opts.rebuild_buckets;
@@ -80,8 +151,7 @@ void Reducer::Impl::init() {
   seen.assign(n, 0);
   ready.assign(n, 0);
   used.assign(n, 0);
-  auto first_layout = arranged(compute_bucket_assignment(params, order, opts.bucket_cap_bytes,
-                                                         opts.first_bucket_bytes));
+  auto first_layout = assign(order);
   bool cpu = true;
   for (const auto& p : params) cpu = cpu && p.device().is_cpu();
   links = detail::make_host_links(pg, opts.shared_memory && cpu, opts.timeout_s,
@@ -109,11 +179,13 @@ void Reducer::Impl::verify_across_ranks(const std::vector<int64_t>& order) {
   os << "options: bucket_cap_bytes=" << opts.bucket_cap_bytes
      << " first_bucket_bytes=" << opts.first_bucket_bytes
      << " rebuild_buckets=" << opts.rebuild_buckets
-     << " shared_memory=" << opts.shared_memory << " expected_order=";
+     << " shared_memory=" << opts.shared_memory << " slice_group_size=" << slice_world
+     << " prescaled_batch=" << opts.prescaled_batch << " expected_order=";
   for (size_t k = 0; k < order.size(); ++k) os << (k ? "," : "") << order[k];
   os << " owners=";
   for (size_t k = 0; k < opts.owners.size(); ++k) os << (k ? "," : "") << opts.owners[k];
-  for (const auto& p : params) os << "\n" << detail::describe_tensor(p);
+  for (size_t i = 0; i < params.size(); ++i)
+    os << "\n" << detail::describe_tensor(params[i]) << (slicing() && groups[i] ? " (tp slice)" : "");
   auto all = allgather_bytes(pg, os.str(), opts.timeout_s,
                              "the parameter check of the Reducer on " + group);
   auto lines = [](const std::string& s) {
@@ -146,11 +218,27 @@ void Reducer::Impl::verify_across_ranks(const std::vector<int64_t>& order) {
 
 std::vector<std::vector<int64_t>> Reducer::Impl::arranged(
     std::vector<std::vector<int64_t>> layout) const {
+  if (slicing()) {  // Note [Slices reduce over their rdp group]: one group per bucket
+    std::vector<std::vector<int64_t>> split;
+    for (auto& b : layout) {
+      std::vector<int64_t> slices;
+      std::vector<int64_t> replicated;
+      for (int64_t i : b) (groups[i] ? slices : replicated).push_back(i);
+      if (!replicated.empty()) split.push_back(std::move(replicated));
+      if (!slices.empty()) split.push_back(std::move(slices));
+    }
+    layout = std::move(split);
+  }
   if (!sharded()) return layout;
   auto key = [&](int64_t i) { return opts.owners[i] < 0 ? world : opts.owners[i]; };
   for (auto& b : layout)
     std::stable_sort(b.begin(), b.end(), [&](int64_t x, int64_t y) { return key(x) < key(y); });
   return layout;
+}
+
+std::vector<std::vector<int64_t>> Reducer::Impl::assign(const std::vector<int64_t>& order) const {
+  return arranged(compute_bucket_assignment(params, order, opts.bucket_cap_bytes,
+                                            opts.first_bucket_bytes, groups));
 }
 
 // The shared-memory segment for `for_layout` (collective; null on every rank when the
@@ -162,6 +250,7 @@ void Reducer::Impl::make_arena(const std::vector<std::vector<int64_t>>& for_layo
   if (!opts.shared_memory || world < 2 || !cpu) return;
   size_t bytes = 0;
   for (const auto& b : for_layout) {
+    if (slicing() && groups[b.front()]) continue;  // reduced over the slice group
     size_t bucket = 0;
     for (int64_t i : b) bucket += params[i].numel() * params[i].element_size();
     bytes += align64(bucket);
@@ -200,7 +289,11 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
       total += params[i].numel();
     }
     const auto& first = params[bk.params.front()];
-    if (arena) {
+    bk.group = slicing() ? groups[bk.params.front()] : 0;
+    if (bk.group) {  // Note [Slices reduce over their rdp group]: never in the arena
+      offsets.push_back(0);
+      bk.buffer = at::zeros({total}, first.options().requires_grad(false));
+    } else if (arena) {
       offsets.push_back(slot_used);
       bk.buffer = arena->slot_tensor(slot_used, total, first.scalar_type());
       slot_used += align64(total * first.element_size());
@@ -253,6 +346,11 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
                  : detail::make_sum_allreduce_hook();
   } else {
     wrap_user_hook();
+  }
+  if (slicing() && default_hook) {  // Note [Slices reduce over their rdp group]
+    std::vector<char> sliced_bucket;
+    for (const auto& bk : fresh) sliced_bucket.push_back(static_cast<char>(bk.group));
+    hook = detail::make_slice_routed_hook(hook, std::move(sliced_bucket));
   }
   buckets = std::move(fresh);
   layout = std::move(new_layout);

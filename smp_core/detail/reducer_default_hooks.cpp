@@ -110,7 +110,36 @@ class OwnerReduceHook : public CommHook {
   std::shared_ptr<std::atomic<int64_t>> steps_;
 };
 
+// Note [Slices reduce over their rdp group] (detail/reducer_build.cpp): the default
+// hook of a reducer with tp slices. Replicated buckets go to `replicated_` (the shared
+// memory or the dp group's allreduce); a slice bucket is summed over its own group,
+// the rdp group its GradBucket carries, never in the arena (which spans the dp group).
+class SliceRoutedHook : public CommHook {
+ public:
+  SliceRoutedHook(CommHookPtr replicated, std::vector<char> sliced_bucket)
+      : replicated_(std::move(replicated)), sliced_bucket_(std::move(sliced_bucket)) {}
+  FuturePtr run(GradBucket& bucket) override {
+    if (sliced_bucket_.at(bucket.index()))
+      return allreduce_flat(bucket.process_group(), bucket.buffer());
+    return replicated_->run(bucket);
+  }
+  at::Tensor result(GradBucket& bucket, const c10::IValue& value) override {
+    if (sliced_bucket_.at(bucket.index())) return CommHook::result(bucket, value);
+    return replicated_->result(bucket, value);
+  }
+  std::string name() const override { return replicated_->name(); }
+  bool issues_all_in_run() const override { return replicated_->issues_all_in_run(); }
+
+ private:
+  CommHookPtr replicated_;
+  std::vector<char> sliced_bucket_;  // per bucket index
+};
+
 }  // namespace
+
+CommHookPtr make_slice_routed_hook(CommHookPtr replicated, std::vector<char> sliced_bucket) {
+  return std::make_shared<SliceRoutedHook>(std::move(replicated), std::move(sliced_bucket));
+}
 
 CommHookPtr make_owner_reduce_hook(std::shared_ptr<ShmArena> arena, std::vector<size_t> offsets,
                                    BucketSegments segments, double timeout_s, std::string group,

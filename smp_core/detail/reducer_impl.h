@@ -66,6 +66,10 @@ CommHookPtr make_owner_reduce_hook(std::shared_ptr<ShmArena> arena, std::vector<
                                    BucketSegments segments, double timeout_s,
                                    std::string group,
                                    std::shared_ptr<std::atomic<int64_t>> steps);
+// Note [Slices reduce over their rdp group]: `replicated` for the buckets of the
+// reducer's group; a bucket with `sliced_bucket[index]` set is summed by allreduce over
+// its own (slice) group instead.
+CommHookPtr make_slice_routed_hook(CommHookPtr replicated, std::vector<char> sliced_bucket);
 
 // Note [Hierarchical reduction] (detail/host_links.cpp): the links between the hosts
 // of `pg` (collective over it; null on every rank when the group stays flat).
@@ -82,6 +86,7 @@ struct ReducerBucket {
   std::vector<int64_t> offsets;
   std::vector<at::Tensor> views;   // views[j]: buffer slice shaped like params[j]
   std::vector<Segment> segments;   // owner by owner (Note [Reduce to owner]); or empty
+  int group = 0;                   // 1: tp slices, over the slice group (Note [Slices...])
   size_t pending = 0;              // gradients not yet ready this step
 };
 
@@ -111,6 +116,14 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   ReducerOptions opts;
   int rank = 0, world = 1;
   std::string group;  // "the dp process group (gloo, rank 0 of 2)"
+  // Note [Slices reduce over their rdp group] (detail/reducer_build.cpp): set by init()
+  // when some parameters are tp slices; `groups[i]` is 1 for those, 0 for the others
+  // (empty when none is).
+  ProcessGroupPtr slice_pg;
+  int slice_world = 1;
+  std::string slice_group;  // "the rdp process group (gloo, rank 0 of 2)"
+  std::vector<int> groups;
+  bool slicing() const { return !groups.empty(); }
 
   std::vector<compat::GradAccumulatorPtr> accumulators;  // kept alive
   std::vector<uintptr_t> hook_keys;
@@ -139,8 +152,10 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   static constexpr double kProbeEvery_s = 1.0;
 
   // The step in flight.
-  at::Tensor scale;  // wrapped-number scalar of the copy-in factor
-  double factor = 1.0;
+  // Per bucket group (0: replicated, 1: tp slices): wrapped-number scalars of the
+  // copy-in factor.
+  at::Tensor scale[2];
+  double factor[2] = {1.0, 1.0};
   std::vector<char> ready, used;
   size_t next_launch = 0;
   bool tail_launched = false;
@@ -180,12 +195,16 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   // detail/reducer_build.cpp: construction.
   void init();
   // Note [Reduce to owner]: with owners, each bucket's parameters grouped by owner
-  // (stable; owners in rank order, every-rank ones last); else `layout` itself.
+  // (stable; owners in rank order, every-rank ones last); Note [Slices reduce over
+  // their rdp group]: a bucket holding both groups (a saved layout) split in two, the
+  // replicated part first; else `layout` itself.
   std::vector<std::vector<int64_t>> arranged(std::vector<std::vector<int64_t>> layout) const;
   bool sharded() const { return !opts.owners.empty(); }
   // Whether this rank keeps parameter i's reduced gradient.
   bool keeps(int64_t i) const { return !sharded() || opts.owners[i] < 0 || opts.owners[i] == rank; }
   void verify_across_ranks(const std::vector<int64_t>& order);
+  // compute_bucket_assignment with this reducer's caps and groups, arranged().
+  std::vector<std::vector<int64_t>> assign(const std::vector<int64_t>& order) const;
   void build_buckets(std::vector<std::vector<int64_t>> new_layout);
   void make_arena(const std::vector<std::vector<int64_t>>& for_layout);
   void wrap_user_hook();
@@ -246,7 +265,8 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   [[noreturn]] static void rethrow_with_hint(const std::exception& e);
   std::string bucket_what(size_t b) const {
     return str_cat("bucket ", b, " of ", buckets.size(), " (comm hook '", hook->name(),
-                   "') on ", group, " in step ", steps_done->load() + 1);
+                   "') on ", buckets[b].group ? slice_group : group, " in step ",
+                   steps_done->load() + 1);
   }
 };
 

@@ -49,8 +49,7 @@ bool Reducer::Impl::apply_order() {
   if (!order.defined()) return false;
   std::vector<int64_t> o(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   order = at::Tensor();
-  auto fresh = arranged(compute_bucket_assignment(params, o, opts.bucket_cap_bytes,
-                                                  opts.first_bucket_bytes));
+  auto fresh = assign(o);
   if (fresh == layout) return false;
   // Collective: every rank reaches this point in the same sequence (the queue is idle).
   // A fresh segment: the gradients move from the old buckets into the new ones.
@@ -79,7 +78,7 @@ void Reducer::use_torch_initial_layout() {
   std::vector<int64_t> order(im.params.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   auto fresh = compute_bucket_assignment(im.params, order, im.opts.bucket_cap_bytes,
-                                         im.opts.first_bucket_bytes);
+                                         im.opts.first_bucket_bytes, im.groups);
   std::reverse(fresh.begin(), fresh.end());
   fresh = im.arranged(std::move(fresh));
   if (fresh == im.layout) return;

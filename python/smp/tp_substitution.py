@@ -481,7 +481,7 @@ def _add_translations(pair):
 def load_full_state(dist, full):
     """Loads the full (unsliced) tensors `full`, by the distributed module's names, into
     `dist`: a distributed parameter (`p._smp_tp_dim`) takes this tp rank's contiguous
-    slice along its dim, every other tensor the whole. Every parameter must be given;
+    slice along its dim (`_smp_tp_slice`), every other tensor the whole. Every parameter must be given;
     a buffer not given keeps its value."""
     missing = [n for n, _ in dist.named_parameters() if n not in full]
     if missing:
@@ -499,7 +499,8 @@ def load_full_state(dist, full):
                     raise ValueError(f"smp: {name} of {type(dist).__name__} is {whole} whole, "
                                      f"given {tuple(src.shape)}")
                 n = t.shape[dim]
-                src = src.narrow(dim, rank * n, n)
+                start, n = getattr(t, "_smp_tp_slice", (rank * n, n))
+                src = src.narrow(dim, start, n)
             if tuple(src.shape) != tuple(t.shape):
                 raise ValueError(f"smp: {name} of {type(dist).__name__} is "
                                  f"{tuple(t.shape)}, given {tuple(src.shape)}")

@@ -136,10 +136,14 @@ def test_registration_contexts_and_outermost_substitution(ranks):
 
 def test_set_tensor_parallelism_and_register_check_their_arguments():
     import smp
+    dist = getattr(smp.nn, "DistributedLinear", torch.nn.Linear)
     with pytest.raises(TypeError, match="module_cls"):
-        smp.tp_register_with_module(object, torch.nn.Linear)
+        smp.tp_register_with_module(object, dist)
     with pytest.raises(TypeError, match="init_hook"):
-        smp.tp_register_with_module(torch.nn.Identity, torch.nn.Linear, init_hook=3)
+        smp.tp_register_with_module(torch.nn.Identity, dist, init_hook=3)
+    if dist is not torch.nn.Linear:  # a plain module is not a distributed one
+        with pytest.raises(TypeError, match="DistributedModule"):
+            smp.tp_register(torch.nn.Linear)
     with pytest.raises(ValueError, match="enabled"):
         smp.set_tensor_parallelism(torch.nn.Linear(2, 2), enabled="yes")
     with pytest.raises(ValueError, match="enabled"):

@@ -17,11 +17,10 @@ def additive_mask(mask, hidden_states):
     transformers 5 gives a layer None (no padding: sdpa, or eager without a mask; the
     causal part, if any, is then the layer's own `causal_mask_size`), a boolean mask
     (True: attend; sdpa) or an additive float one (0 or the dtype's minimum; eager).
-    None becomes zeros [N, 1, 1, S] (the layers take a tensor)."""
+    None stays None (the layers take it: nothing masked)."""
     dtype = hidden_states.dtype if hidden_states.is_floating_point() else torch.float32
-    n, s = hidden_states.shape[0], hidden_states.shape[1]
     if mask is None:
-        return torch.zeros(n, 1, 1, s, dtype=dtype, device=hidden_states.device)
+        return None
     if mask.dim() == 2:  # [N, S] of 1 (keep) / 0 (pad): an unexpanded padding mask
         mask = mask[:, None, None, :].bool()
     if mask.dtype == torch.bool:

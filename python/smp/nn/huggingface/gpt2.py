@@ -258,6 +258,8 @@ def _lm_head_forward_hook(input_ids=None, cache=None, attention_mask=None,
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError("smp: the distributed GPT2LMHeadModel takes a 2-D "
                                   "attention_mask ([batch, sequence] of 1 and 0)")
+    if attention_mask is not None:  # Hugging Face's 1 keeps a token, SMP's 1 masks it
+        attention_mask = 1 - attention_mask.long()
     return ((input_ids, attention_mask, None, position_ids, labels),), {}
 
 

@@ -167,6 +167,17 @@ TEST(BucketAssignment, ExpectedOrderAndDtypeSeparation) {
             (std::vector<std::vector<int64_t>>{{0, 1}, {2, 3}}));
 }
 
+TEST(BucketAssignment, GroupsNeverShareABucket) {
+  // Note [Slices reduce over their rdp group]: tp slices (group 1) and replicated
+  // parameters (group 0) run separate buckets, each bucket one group.
+  auto ps = make_params({{10}, {10}, {10}, {10}});
+  std::vector<int64_t> order = {3, 2, 1, 0};
+  EXPECT_EQ(compute_bucket_assignment(ps, order, 1 << 20, 1 << 20, {0, 1, 0, 1}),
+            (std::vector<std::vector<int64_t>>{{3, 1}, {2, 0}}));
+  EXPECT_EQ(compute_bucket_assignment(ps, order, 1 << 20, 1 << 20, {0, 0, 0, 0}),
+            compute_bucket_assignment(ps, order, 1 << 20, 1 << 20));
+}
+
 // --- averaging ----------------------------------------------------------------------
 
 // Most tests run twice: buckets summed in shared memory (the ranks share this host)
@@ -210,6 +221,51 @@ TEST_P(ReducerPaths, GradScaleAndMixedDtypes) {
     step(red, linear_loss(ps, r + 1), 0.5);
     for (size_t i = 0; i < ps.size(); ++i) expect_all(ps[i].grad(), 0.5 * 2.0, 1e-6, str_cat(i));
   });
+}
+
+// Note [Slices reduce over their rdp group]: 4 ranks as tp=2 x rdp=2 (tp rank r % 2,
+// rdp groups {0, 2} and {1, 3}). Replicated parameters average over all 4; slices sum
+// over their rdp group and divide by 4 (each rank's batch), or by 2 with
+// prescaled_batch; with any bucket size, across the rebuild, in shared memory or not.
+// A comm hook is refused, naming both.
+TEST_P(ReducerPaths, SlicesReduceOverTheirRdpGroup) {
+  const Shapes shapes = {{3, 5}, {7}, {4}, {2, 3}};
+  for (bool prescaled : {false, true}) {
+    for (size_t cap : {size_t{1}, kDefaultBucketBytesCap}) {
+      run_gloo_world(4, [&](int r, const ProcessGroupPtr& pg, const StorePtr& store) {
+        auto rdp_store = c10::make_intrusive<c10d::PrefixStore>(
+            str_cat("rdp", r % 2, prescaled, cap), store);
+        auto rdp = compat::make_gloo_group(rdp_store, r / 2, 2, std::chrono::milliseconds(10000),
+                                           "127.0.0.1");
+        auto ps = make_params(shapes);
+        ReducerOptions o;
+        o.bucket_cap_bytes = cap;
+        o.shared_memory = GetParam();
+        o.sliced = {0, 1, 0, 1};
+        o.slice_group = rdp;
+        o.prescaled_batch = prescaled;
+        Reducer red(ps, pg, o);
+        EXPECT_TRUE(red.sliced());
+        EXPECT_EQ(red.shared_memory(), GetParam());
+        for (const auto& b : red.bucket_indices())
+          for (int64_t i : b) EXPECT_EQ(o.sliced[i], o.sliced[b.front()]) << "a mixed bucket";
+        const double slice_sum = r % 2 == 0 ? 1 + 3 : 2 + 4;  // (r + 1) over the rdp group
+        for (int s = 0; s < 3; ++s) {
+          zero_grads(ps, s % 2 == 0);
+          step(red, linear_loss(ps, r + 1));
+          for (size_t i = 0; i < ps.size(); ++i)
+            expect_all(ps[i].grad(), o.sliced[i] ? slice_sum / (prescaled ? 2 : 4) : 2.5, 1e-6,
+                       str_cat("prescaled=", prescaled, " cap=", cap, " step ", s, " param ", i));
+        }
+        try {
+          red.register_comm_hook(std::make_shared<RecordingHook>());
+          ADD_FAILURE() << "a comm hook was accepted with slices";
+        } catch (const ConfigError& e) {
+          EXPECT_NE(std::string(e.what()).find("_smp_tp_dim"), std::string::npos) << e.what();
+        }
+      });
+    }
+  }
 }
 
 // Note [Reduce to owner]: each rank keeps the average of the gradients it owns (and of

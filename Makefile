@@ -88,6 +88,7 @@ demo: build
 
 bench: build
 	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python $(PYTHON) bench/run_all.py
+	PYTHONPATH=$(CURDIR)/$(BUILD_DIR)/python SMP_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) $(PYTHON) bench/tensor_parallel.py
 
 # libFuzzer targets for the decoders of outside bytes (docs/fuzzing.md): a clang build of
 # their own in build-fuzz, then each runs FUZZ_SECONDS on a copy of its corpus; a crash

@@ -20,6 +20,11 @@ intermediate 2048, seq 128, batch BATCH per rank, Adam, loss = MSE to a fixed ta
      rank reads its own BATCH rows and the layers gather the tp group's rows, so a step
      trains on 2 x BATCH distinct samples (torch's TP step on BATCH); per sample it is
      `ratio_per_sample_unscaled` = (smp_unscaled_ms / 2) / torch_ms.
+   - `floor_ms`: each rank's own slice of the step (its halves of the linears, the whole
+     layer norms, forward + backward + the same Adam) with no communication, both ranks
+     at once, torch's modules: what neither side can beat on these kernels
+     (`torch_over_floor`, `smp_over_floor`: the cost of each side's collectives and
+     dispatch; below 1 only when the machine's load swung between the jobs).
    Both sides start from the same full weights (drawn here from seed 0, each rank keeping
    its slice) and the same batch, so their first losses must agree (checked). The jobs
    alternate, `--rounds` of each, so drift of the machine hits both alike; each job
@@ -30,6 +35,8 @@ intermediate 2048, seq 128, batch BATCH per rank, Adam, loss = MSE to a fixed ta
    `mem_ratio` per tp, target <= 1/tp + 5%.
 
 Same allocator setting (smp's default, bench/_malloc.py), threads and data on both sides.
+`loadavg`: the machine's 1-minute load at the start and the end (2 cores here; other
+work running shifts every figure, and jobs measured a minute apart differ by it).
 
     PYTHONPATH=build/python SMP_BUILD_DIR=build .venv/bin/python bench/tensor_parallel.py \
         [--rounds 3] [--steps 8]
@@ -413,6 +420,7 @@ def main():
         return run_mem(args)
     import torch
     steps = ["--steps", str(args.steps)]
+    load0 = os.getloadavg()[0]  # other work on the machine skews every figure alike
     out = {"bench": "tensor_parallel", "tp": 2, "layers": LAYERS, "hidden": HIDDEN,
            "heads": HEADS, "intermediate": INTER, "seq": SEQ, "batch_per_rank": BATCH}
     if args.only in ("all", "torch", "time"):
@@ -465,6 +473,7 @@ def main():
             out[f"mem_mb_tp{tp}"] = [round(b / 2**20, 2) for b in per_rank]
             out[f"mem_ratio_tp{tp}"] = round(max(per_rank) / one, 4)
             out[f"mem_target_tp{tp}"] = round(1 / tp + 0.05, 4)
+    out["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     out["torch"] = torch.__version__
     print(json.dumps(out))
 

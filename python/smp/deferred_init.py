@@ -523,10 +523,14 @@ def materialize(module, device=None, dtype=None):
 def _become(t, value):
     """Gives the meta tensor `t` the storage of `value`, keeping its Python object (an
     optimizer or a tied module may hold it). `t.data = value` refuses a device change
-    from meta, so the two objects' tensors are swapped (torch.utils.swap_tensors)."""
+    from meta, so the two objects' tensors are swapped (torch.utils.swap_tensors). The
+    swap exchanges the objects' attributes too; `t` keeps its own (a tensor-parallel
+    slice's marks, `_smp_tp_dim` ...)."""
     if isinstance(t, torch.nn.Parameter):
         value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
+    kept = dict(t.__dict__)
     torch.utils.swap_tensors(t, value)
+    t.__dict__.update(kept)
 
 
 def _reset_unrecorded(module, entries, device):

@@ -26,13 +26,20 @@ kw = dict(num_layers=2, num_attention_heads=4, attention_head_size=8, hidden_siz
           hidden_dropout_prob=0.0, activation="gelu_new", causal_mask_size=S,
           pre_layernorm=True, post_layernorm=True)
 torch.manual_seed(0)
-net = smp.nn.DistributedTransformerLMHead(**kw)
+with smp.delay_param_initialization(enabled=bool(opts.get("deferred"))):
+    net = smp.nn.DistributedTransformerLMHead(**kw)
 torch.manual_seed(0)
 reference = ref.LMHead(**kw)
 model = smp.DistributedModel(net)
+layers = list(model.get_module().transformer.seq_layers.children())
 if smp.pp_size() > 1:
-    for i, layer in enumerate(model.get_module().transformer.seq_layers.children()):
+    for i, layer in enumerate(layers):
         smp.set_partition(layer, i % smp.pp_size())
+if opts.get("checkpointing"):
+    for layer in layers:
+        smp.set_activation_checkpointing(layer)
+# With prescaled_batch the tp ranks of a replica read the same batch.
+batches, me = (smp.rdp_size(), smp.rdp_rank()) if cfg.get("prescaled_batch") else (dp, smp.dp_rank())
 opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
 
@@ -44,8 +51,7 @@ def step(ids):
 
 losses, ref_losses = [], []
 for i in range(20):
-    ids = torch.randint(0, V, (N * dp, S), generator=torch.Generator().manual_seed(i))
-    me = smp.dp_rank()
+    ids = torch.randint(0, V, (N * batches, S), generator=torch.Generator().manual_seed(i))
     out = step(ids[N * me:N * (me + 1)])
     half = N // 2
     parts = [reference((c, None, None, None, c))[0]
@@ -63,7 +69,7 @@ for i in range(20):
     opt.step(); opt.zero_grad()
     loss = out.reduce_mean().detach().clone()
     dist.all_reduce(loss, group=smp.get_dp_process_group())
-    losses.append(loss.item() / dp)
+    losses.append(loss.item() / dp)  # (prescaled: each replica's loss tp times)
     ref_opt.step(); ref_opt.zero_grad()
     ref_losses.append(total.item())
 
@@ -86,14 +92,15 @@ print("TRAIN " + json.dumps({"losses": losses, "ref": ref_losses, "param_diff": 
 """
 
 
-@pytest.mark.parametrize("world,cfg", [
+@pytest.mark.parametrize("world,opts", [
     (2, {}),
-    (4, {"partitions": 2}),
-    (8, {"partitions": 2}),
-], ids=["tp2", "tp2xpp2", "tp2xpp2xrdp2"])
-def test_lm_head_trains_as_one_process(ranks, world, cfg):
+    (4, {"cfg": {"partitions": 2}}),
+    (8, {"cfg": {"partitions": 2}}),
+    (4, {"cfg": {"prescaled_batch": True}, "checkpointing": True, "deferred": True}),
+], ids=["tp2", "tp2xpp2", "tp2xpp2xrdp2", "tp2xrdp2-prescaled-checkpointed-deferred"])
+def test_lm_head_trains_as_one_process(ranks, world, opts):
     here = os.path.dirname(os.path.abspath(__file__))
-    res = ranks(TRAIN, world, args=(json.dumps({"cfg": cfg}), here), timeout=300)
+    res = ranks(TRAIN, world, args=(json.dumps(opts), here), timeout=300)
     for r in res:
         got = json.loads(r.stdout.split("TRAIN ", 1)[1].splitlines()[0])
         for a, b in zip(got["losses"], got["ref"]):

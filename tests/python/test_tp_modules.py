@@ -124,3 +124,56 @@ def test_modules_equal_their_reference_at_tp2(ranks, mode):
             assert wdiff == 0.0, (name, "weights", wdiff)
             assert fdiff < 1e-5, (name, "forward", fdiff)
             assert gdiff < 1e-5, (name, "backward", gdiff)
+
+
+BAD = r"""
+import sys
+import torch
+import smp
+
+smp.init({"ddp": True, "tensor_parallel_degree": 2, "timeout_s": 30})
+cases = {
+    "heads": lambda: smp.nn.DistributedAttentionLayer(num_attention_heads=3,
+                                                      attention_head_size=4, hidden_size=12),
+    "intermediate": lambda: smp.nn.DistributedTransformerOutputLayer(hidden_size=8,
+                                                                     intermediate_size=33),
+    "linear": lambda: smp.nn.DistributedLinear(7, 4),
+    "embedding": lambda: smp.nn.DistributedEmbedding(10, 5),
+    "activation": lambda: smp.nn.DistributedTransformerOutputLayer(hidden_size=8,
+                                                                   intermediate_size=8,
+                                                                   activation="swish"),
+}
+for name, make in cases.items():
+    try:
+        make()
+        print("NO ERROR", name, flush=True)
+    except smp.ConfigError as e:
+        print("ERROR", name, e, flush=True)
+# Each tp rank's batch must have the same shape: an error on both ranks, not a hang.
+lin = smp.nn.DistributedLinear(8, 4)
+try:
+    lin(torch.randn(2 + smp.tp_rank(), 8))
+    print("NO ERROR shapes", flush=True)
+except smp.ConfigError as e:
+    print("ERROR shapes", e, flush=True)
+"""
+
+
+def test_indivisible_sizes_and_unequal_batches_are_errors_on_every_rank(ranks):
+    needles = {
+        "heads": "DistributedAttentionLayer num_attention_heads=3 is not divisible by "
+                 "'tensor_parallel_degree'=2",
+        "intermediate": "DistributedTransformerOutputLayer intermediate_size=33 is not "
+                        "divisible by 'tensor_parallel_degree'=2",
+        "linear": "DistributedLinear in_features=7 is not divisible",
+        "embedding": "DistributedEmbedding embedding_dim=5 is not divisible",
+        "activation": "activation='swish' is not allowed (allowed: gelu, gelu_new, relu)",
+        "shapes": "the ranks of a tp group bring inputs of different shapes (tp rank 0: "
+                  "[2, 8], tp rank 1: [3, 8])",
+    }
+    for r in ranks(BAD, 2, timeout=90):
+        for name, needle in needles.items():
+            line = [l for l in r.stdout.splitlines() if l.split()[:2] in (["ERROR", name],
+                                                                        ["NO", "ERROR"])
+                    and name in l.split()[:3]]
+            assert line and line[0].startswith("ERROR") and needle in line[0], (name, r.stdout)

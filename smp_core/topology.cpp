@@ -15,7 +15,7 @@ namespace smp {
 // tp x rdp. Without distributed modules a tp group therefore trains as more data
 // parallelism, and with tp = 1 every group is what it was: dp == rdp, mp == pp.
 Topology::Topology(int world_size, int pp_size, const std::string& placement, int tp_size)
-    : world_(world_size), pp_(pp_size), tp_(tp_size) {
+    : world_(world_size), pp_(pp_size), tp_(tp_size), placement_(placement) {
   if (world_size < 1)
     throw ConfigError(str_cat("smp: world size ", world_size, " is not >= 1"));
   if (pp_size < 1 || world_size % pp_size != 0)
@@ -40,6 +40,38 @@ Topology::Topology(int world_size, int pp_size, const std::string& placement, in
     if (*it == 'P') pp_stride_ = stride, stride *= pp_;
     else if (*it == 'T') tp_stride_ = stride, stride *= tp_;
     else rdp_stride_ = stride, stride *= rdp_;
+  }
+}
+
+// Note [A tp group on one host]
+// A tp group runs a collective in every distributed block, forward and backward, so
+// it belongs on one host's fast links: SMP's "cluster" placement (tp fastest over
+// consecutive ranks) exists for that. When the hosts' rank counts do not allow it
+// (3 ranks a host with tp = 2), a group would silently cross the network each block;
+// smp.init says so on every rank instead (the hosts are exchanged through the store,
+// so every rank checks the same list). "spread" and the orders without T last ask for
+// nothing of the kind.
+void Topology::check_tp_hosts(const std::vector<std::string>& host_of_rank) const {
+  if (tp_ <= 1 || tp_stride_ != 1) return;
+  if (static_cast<int>(host_of_rank.size()) != world_)
+    throw std::invalid_argument(str_cat("smp: check_tp_hosts: ", host_of_rank.size(),
+                                        " hosts for a world of ", world_));
+  for (const std::vector<int>& g : all_tp_groups()) {
+    std::vector<std::string> seen;
+    for (int r : g)
+      if (std::find(seen.begin(), seen.end(), host_of_rank[r]) == seen.end())
+        seen.push_back(host_of_rank[r]);
+    if (seen.size() < 2) continue;
+    std::string members;
+    for (int r : g) members += str_cat(members.empty() ? "" : ", ", r);
+    std::string where;
+    for (int r : g) where += str_cat(where.empty() ? "" : "; ", "rank ", r, " on ",
+                                     host_of_rank[r]);
+    throw ConfigError(str_cat(
+        "smp: config 'placement_strategy'='", placement_, "' keeps each tp group on one host, "
+        "but with 'tensor_parallel_degree'=", tp_, " tp group [", members, "] spans ",
+        seen.size(), " hosts (", where, "); allowed: a tensor_parallel_degree that divides "
+        "every host's rank count, or 'placement_strategy'='spread' (tp across hosts)"));
   }
 }
 

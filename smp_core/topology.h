@@ -66,6 +66,12 @@ class Topology {
   // Printable grid "rank: pp=.. dp=.." (and tp, rdp when tp > 1) for logs and errors.
   std::string describe() const;
 
+  // Note [A tp group on one host]: with the placement putting tp innermost (T last:
+  // "cluster", "DPT", "PDT"), each tp group is meant to sit on one host; throws
+  // ConfigError naming the group, its hosts and the alternatives when `host_of_rank`
+  // (a host identity per global rank) shows one that spans hosts.
+  void check_tp_hosts(const std::vector<std::string>& host_of_rank) const;
+
  private:
   void check_rank(int rank) const;
   // Every group `group_of` gives, once, ordered by the smallest member.
@@ -73,6 +79,7 @@ class Topology {
   std::vector<std::vector<int>> all_groups(F group_of) const;
 
   int world_, pp_, tp_, rdp_;
+  std::string placement_;
   // Strides of each axis in global rank space.
   int pp_stride_ = 1, tp_stride_ = 1, rdp_stride_ = 1;
 };

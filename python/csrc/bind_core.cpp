@@ -11,6 +11,7 @@
 #include "smp_core/call_agreement.h"
 #include "smp_core/comm.h"
 #include "smp_core/config.h"
+#include "smp_core/detail/shm_allreduce.h"
 #include "smp_core/liveness.h"
 #include "smp_core/net_interface.h"
 #include "smp_core/device_sync.h"
@@ -180,7 +181,17 @@ void bind_core(py::module_& m) {
       .def("all_rdp_groups", &Topology::all_rdp_groups)
       .def("all_dp_groups", &Topology::all_dp_groups)
       .def("all_mp_groups", &Topology::all_mp_groups)
-      .def("describe", &Topology::describe);
+      .def("describe", &Topology::describe)
+      .def("check_tp_hosts", [](const Topology& t, const StorePtr& store, int rank,
+                                double timeout_s) {
+        // Note [A tp group on one host]: every rank's host, through the store.
+        if (t.tp_size() <= 1 || t.world_size() <= 1) return;
+        t.check_tp_hosts(store_exchange(store, "smp/tp_hosts", rank, t.world_size(),
+                                        detail::host_identity(rank), timeout_s,
+                                        "every rank's host (tensor_parallel_degree)"));
+      }, py::arg("store"), py::arg("rank"), py::arg("timeout_s"), release(),
+         "Note [A tp group on one host]: raises ConfigError on every rank when a tp group "
+         "that the placement keeps on one host spans hosts.");
 
   m.def("agree_config", [](const StorePtr& store, int rank, int world, const std::string& raw) {
     return agree_config(store, make_env(rank, world, 0, 1), raw).to_json();

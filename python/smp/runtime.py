@@ -115,6 +115,7 @@ def init(config=None):
         _choose_interface(local_rank)
     topo = _C.Topology(world, cfg["partitions"], cfg["placement_strategy"],
                        cfg["tensor_parallel_degree"])
+    topo.check_tp_hosts(store, rank, timeout_s)  # Note [A tp group on one host]
     with event_driven_group_barrier():
         if not dist.is_initialized():
             dist.init_process_group(choose_backend(cfg["backend"]), store=store, rank=rank,

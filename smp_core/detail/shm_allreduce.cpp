@@ -60,7 +60,7 @@ size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // Ranks may share a segment when they run on one kernel (boot id), one host name and
 // one pid namespace (the liveness check below looks peers up by pid).
-std::string host_identity() {
+std::string host_identity(int rank) {
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
   std::string boot;
@@ -69,7 +69,8 @@ std::string host_identity() {
   ssize_t len = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
   std::string id = std::string(host) + "|" + boot + "|" + (len > 0 ? std::string(ns, len) : "?");
   const int fake = env_int("SMP_FAKE_HOSTS", 0);  // tests: Note [Hosts of a group]
-  if (fake > 0 && is_initialized()) id += str_cat("|fake host ", runtime().rank() / fake);
+  if (rank < 0 && is_initialized()) rank = runtime().rank();
+  if (fake > 0 && rank >= 0) id += str_cat("|fake host ", rank / fake);
   return id;
 }
 

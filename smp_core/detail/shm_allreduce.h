@@ -29,8 +29,9 @@ struct Segment {
 // Host name, boot id and pid namespace: processes with equal identities can look each
 // other up by pid (and share memory). SMP_FAKE_HOSTS=k (tests) adds "fake host
 // RANK / k", so one machine's ranks count as hosts of k ranks each (Note [Hosts of a
-// group], detail/host_links.cpp).
-std::string host_identity();
+// group], detail/host_links.cpp); `rank` is the runtime's rank when < 0 (before
+// smp.init the caller names it).
+std::string host_identity(int rank = -1);
 // True if process `pid` of this host has exited (gone, or a zombie not reaped yet).
 bool process_exited(int64_t pid);
 

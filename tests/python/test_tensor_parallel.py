@@ -124,3 +124,18 @@ def test_tp_that_does_not_divide_or_lacks_ddp_is_refused_on_every_rank(ranks):
     for cfg, needle in cases:
         for r in ranks(BAD, 2, args=(json.dumps(cfg),), check=False, timeout=60):
             assert r.returncode == 3 and needle in r.stdout, (cfg, r.stdout, r.stderr[-2000:])
+
+
+def test_tp_group_across_hosts_against_cluster_placement_is_refused_on_every_rank(ranks):
+    # SMP_FAKE_HOSTS=3: ranks 0-2 are one host, rank 3 another (Note [Hosts of a group]),
+    # so "cluster"'s tp group [2, 3] would cross hosts; "spread" asks for that.
+    cfg = {"tensor_parallel_degree": 2, "ddp": True}
+    env = {"SMP_FAKE_HOSTS": "3"}
+    for r in ranks(BAD, 4, args=(json.dumps(cfg),), check=False, timeout=60, env=env):
+        assert r.returncode == 3, (r.stdout, r.stderr[-2000:])
+        assert ("config 'placement_strategy'='cluster' keeps each tp group on one host, but "
+                "with 'tensor_parallel_degree'=2 tp group [2, 3] spans 2 hosts") in r.stdout
+        assert "'placement_strategy'='spread'" in r.stdout
+    cfg["placement_strategy"] = "spread"
+    for r in ranks(BAD, 4, args=(json.dumps(cfg),), check=False, timeout=60, env=env):
+        assert r.returncode == 0 and "NO ERROR" in r.stdout, (r.stdout, r.stderr[-2000:])

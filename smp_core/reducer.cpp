@@ -422,7 +422,7 @@ Reducer::~Reducer() { impl_->shutdown(); }
 void Reducer::register_comm_hook(CommHookPtr hook) {
   if (!hook) throw ConfigError("smp: register_comm_hook: the hook is null");
   std::lock_guard<std::mutex> lock(impl_->mu);
-  check_slices(impl_->slicing(), hook->name(), false);
+  check_slices(impl_->slicing(), hook->name());
   if (impl_->sharded())
     throw ConfigError(str_cat(
         "smp: register_comm_hook(hook='", hook->name(), "'): with optimizer-state sharding "

@@ -67,9 +67,10 @@ struct ReducerOptions {
   // Names the group in errors ("dp").
   std::string group_name = "dp";
   // Optimizer-state sharding (Note [Reduce to owner], detail/reducer_default_hooks.cpp):
-  // owners[i] is the group rank that keeps parameter i's reduced gradient, or -1 for
-  // every rank. Each bucket is laid out owner by owner and each owner's part is summed
-  // to that rank only (a reduce-scatter); finalize() leaves .grad None on the others.
+  // owners[i] is the group rank that keeps parameter i's reduced gradient (for a tp
+  // slice, below: a rank of slice_group), or -1 for every rank. Each bucket is laid out
+  // owner by owner and each owner's part is summed to that rank only (a reduce-scatter,
+  // a slice bucket's over slice_group); finalize() leaves .grad None on the others.
   // No comm hook can be registered. Empty: every rank keeps every gradient.
   std::vector<int> owners;
   // Tensor parallelism (Note [Slices reduce over their rdp group],
@@ -78,7 +79,7 @@ struct ReducerOptions {
   // rank's tp rank) instead of the whole group, and divided by the group's size or,
   // with `prescaled_batch` (the tp ranks read the same batch), by slice_group's size.
   // Empty (or a slice_group as large as the group, tp = 1): every parameter is
-  // replicated. No comm hook and no owners with slices (ConfigError, check_slices).
+  // replicated. No comm hook with slices (ConfigError, check_slices).
   std::vector<int> sliced;
   ProcessGroupPtr slice_group;
   bool prescaled_batch = false;
@@ -211,10 +212,10 @@ class Reducer {
   // Whether some parameters are tp slices reduced over the slice group (above).
   bool sliced() const;
   // Throws ConfigError naming both settings where tp slices (`sliced`) meet what cannot
-  // reduce them yet: a comm hook (`hook`: its name, "" for none) or optimizer-state
-  // sharding (`sharded`). The reducer checks it itself; smp.DistributedModel also calls
-  // it at wrap time and in register_comm_hook, where every rank of every stage does.
-  static void check_slices(bool sliced, const std::string& hook, bool sharded);
+  // reduce them yet: a comm hook (`hook`: its name, "" for none). The reducer checks it
+  // itself; smp.DistributedModel also calls it in register_comm_hook, where every rank
+  // of every stage does.
+  static void check_slices(bool sliced, const std::string& hook);
   size_t num_params() const;
   const ProcessGroupPtr& process_group() const;
 

@@ -536,9 +536,9 @@ void bind_reducer(py::module_& m) {
       .def("shared_memory", &Reducer::shared_memory)
       .def("sliced", &Reducer::sliced)
       .def_static("check_slices", &Reducer::check_slices, py::arg("sliced"),
-                  py::arg("hook") = std::string(), py::arg("sharded") = false,
-                  "Raises smp.ConfigError where tp slices meet a comm hook (its name) or "
-                  "optimizer-state sharding (Note [Slices reduce over their rdp group]).")
+                  py::arg("hook") = std::string(),
+                  "Raises smp.ConfigError where tp slices meet a comm hook (its name) "
+                  "(Note [Slices reduce over their rdp group]).")
       .def("hierarchy", &Reducer::hierarchy)
       .def_property_readonly("hosts_group", &Reducer::hosts_group)
       .def("stats", [](const Reducer& r) { return stats_dict(r.stats()); })

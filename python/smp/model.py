@@ -162,9 +162,6 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         self._state_shapes = None   # their shapes (taken before other ranks' are released)
         self._pending_state = None  # load_state_dict before partitioning
         self._module_table = None   # (name, module) of the plain module, after partitioning
-        # Note [Slices reduce over their rdp group] (smp_core/detail/reducer_build.cpp):
-        # refused here, on every rank of every stage, rather than by one stage's reducer.
-        _C.Reducer.check_slices(self._has_tp_slices(), "", optimizer_sharding.enabled())
         self.replica = Replica(self.local_parameters, self.local_buffers, self.bucket_cap_mb,
                                gradient_as_bucket_view, overlapping_allreduce,
                                broadcast_buffers, backward_passes_per_step)
@@ -472,7 +469,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             raise ValueError(f"smp: register_comm_hook hook={hook!r} is not callable")
         optimizer_sharding.check_hook(hook)
         name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
-        _C.Reducer.check_slices(self._has_tp_slices(), name, False)
+        _C.Reducer.check_slices(self._has_tp_slices(), name)
         replica.comm_hook = (resolve_hook_state(state), hook)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):

@@ -37,6 +37,26 @@ parameter whole:
 `optimizer.local_state_dict()` holds this rank's share; `optimizer.state_dict()`
 gathers every rank's share (collective over the world).
 
+Note [Sharded tp slices]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Under tensor_parallel_degree > 1 the dp group spans tp x rdp ranks, and a distributed
+parameter (`_smp_tp_dim`) is a different slice on each tp rank: only its rdp group
+(the ranks with the same tp rank) holds the same slice and reduces its gradient (Note
+[Slices reduce over their rdp group] in smp_core/detail/reducer_build.cpp). So:
+- slices are divided between the rdp group, by the same rule (every tp rank's slices
+  have the same shapes, so every rdp group divides alike), and a slice's owner given to
+  the reducer is an rdp rank: its gradient is reduced to that rank over the rdp group;
+- the other parameters are divided between the dp group as without tp, each dp rank
+  starting with the elements of the slices its rdp rank was given (the loads balance);
+- a step exchanges the stepped unsliced parameters over the dp group, then the stepped
+  slices over the rdp group, each in rounds as below (every rank issues both, in this
+  order, on both groups);
+- `model.clip_grad_norm_` counts each gradient on the rank that keeps it and sums over
+  every rank: each slice once per tp rank (once per rdp group), each replicated
+  gradient once per stage, which is the norm of Note [Norm over tp slices].
+Each rank's optimizer state is then about (replicated + tp x sliced) / dp of a stage's
+elements, against replicated + sliced unsharded.
+
 Note [Steps in rounds]
 ~~~~~~~~~~~~~~~~~~~~~~
 A sharded step calls the optimizer's own step once per round, each time with a part
@@ -54,7 +74,7 @@ import torch
 
 import smp._C as _C
 from smp import ranks
-from smp.groups import get_dp_process_group
+from smp.groups import get_dp_process_group, get_rdp_process_group
 from smp.process_state import state
 
 __all__ = []
@@ -76,69 +96,25 @@ def check_hook(hook):
             "to false to use this hook")
 
 
-class Shard:
-    """The division of a rank's parameters between its dp group (Note [Sharded
-    optimizer state])."""
+class _Division:
+    """Parameters divided whole between `size` ranks of one group: in the reducer's
+    order, largest first, each to the rank holding the fewest elements so far (`load`:
+    elements already there), ties to the lower rank."""
 
-    def __init__(self, params, dp_size, dp_rank, replicated=()):
-        self.dp_size, self.dp_rank = dp_size, dp_rank
-        self._replicated = {id(p) for p in replicated}
-        self._order = list(params)
-        self._rounds = {}  # cap_bytes -> rounds(cap_bytes): the shares never change
-        self.by_rank = [[] for _ in range(dp_size)]
-        load = [0] * dp_size
+    def __init__(self, params, size, load):
+        self.by_rank = [[] for _ in range(size)]
+        load = list(load)
         order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
         owner = {}
         for i in order:
-            r = min(range(dp_size), key=lambda k: (load[k], k))
+            r = min(range(size), key=lambda k: (load[k], k))
             owner[i] = r
             load[r] += params[i].numel()
         for i, p in enumerate(params):  # each rank's in the reducer's order
             self.by_rank[owner[i]].append(p)
-        self.mine = {id(p) for p in self.by_rank[dp_rank]}
-        self._held = {id(p) for p in params}
-        self.elements = load
-
-    def owns(self, p):
-        return id(p) in self.mine
-
-    def keeps(self, p):
-        """Whether this rank's optimizer keeps `p`'s state: its own share, and every
-        parameter the division does not cover (restrict leaves those)."""
-        return id(p) in self.mine or id(p) not in self._held
-
-    def grad_owners(self):
-        """Per parameter (the reducer's order), the dp rank that keeps its reduced
-        gradient, or -1 where every rank does (Note [Reduce to owner])."""
-        owner = {id(p): r for r, ps in enumerate(self.by_rank) for p in ps}
-        return [-1 if id(p) in self._replicated else owner[id(p)] for p in self._order]
-
-    def restrict(self, optimizer):
-        """Leaves in `optimizer` only the parameters this rank steps (every one it does
-        not hold at all, on another pp rank, stays: it has no gradient here)."""
-        held = {id(p) for r in self.by_rank for p in r}
-        optimizer._smp_full_groups = [list(g["params"]) for g in optimizer.param_groups]
-        for g in optimizer.param_groups:
-            g["params"] = [p for p in g["params"] if id(p) not in held or self.owns(p)]
-        for p in list(optimizer.state):
-            if id(p) in held and not self.owns(p):
-                del optimizer.state[p]
-        # zero_grad() clears every gradient it used to: the others' parameters still
-        # get gradients here (all-reduced), which must not pile up across steps.
-        others = [p for r in self.by_rank for p in r if not self.owns(p)]
-        own_zero_grad = optimizer.zero_grad
-
-        def zero_grad(set_to_none=True):
-            own_zero_grad(set_to_none=set_to_none)
-            for p in others:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_()
-                    p.grad.zero_()
-        optimizer.zero_grad = zero_grad
+        self.owner = {id(p): owner[i] for i, p in enumerate(params)}
+        self.load = load
+        self._rounds = {}  # cap_bytes -> rounds(cap_bytes): the shares never change
 
     def rounds(self, cap_bytes):
         """Round k: each rank's k-th run of its share (reducer order) of at most
@@ -161,6 +137,81 @@ class Shard:
         self._rounds[cap_bytes] = rounds
         return rounds
 
+
+class Shard:
+    """The division of a rank's parameters between its dp group (Note [Sharded
+    optimizer state]); under tensor parallelism tp slices between its rdp group (Note
+    [Sharded tp slices])."""
+
+    def __init__(self, params, dp_size, dp_rank, replicated=(), sliced=(), rdp_of=None):
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self._replicated = {id(p) for p in replicated}
+        slice_ids = {id(p) for p in sliced} - self._replicated
+        self._order = list(params)
+        # Note [Sharded tp slices]: the slices first, over the rdp group; each dp rank
+        # then starts the others' division with its rdp rank's slice elements.
+        rdp_of = list(rdp_of) if rdp_of is not None else list(range(dp_size))
+        self.rdp_rank, self.rdp_size = rdp_of[dp_rank], max(rdp_of) + 1
+        slices = [p for p in params if id(p) in slice_ids]
+        self._slices = _Division(slices, self.rdp_size, [0] * self.rdp_size)
+        whole = [p for p in params if id(p) not in slice_ids]
+        self._whole = _Division(whole, dp_size, [self._slices.load[k] for k in rdp_of])
+        self.by_rank = self._whole.by_rank  # the dp ranks' shares of the unsliced ones
+        self.mine = ({id(p) for p in self._whole.by_rank[dp_rank]} |
+                     {id(p) for p in self._slices.by_rank[self.rdp_rank]})
+        self._held = {id(p) for p in params}
+        self.elements = self._whole.load  # per dp rank, slices included
+
+    def owns(self, p):
+        return id(p) in self.mine
+
+    def keeps(self, p):
+        """Whether this rank's optimizer keeps `p`'s state: its own share, and every
+        parameter the division does not cover (restrict leaves those)."""
+        return id(p) in self.mine or id(p) not in self._held
+
+    def grad_owners(self):
+        """Per parameter (the reducer's order), the rank that keeps its reduced gradient
+        (a dp rank; for a tp slice, an rdp rank), or -1 where every rank does (Note
+        [Reduce to owner])."""
+        def owner(p):
+            if id(p) in self._replicated:
+                return -1
+            got = self._slices.owner.get(id(p))
+            return got if got is not None else self._whole.owner[id(p)]
+        return [owner(p) for p in self._order]
+
+    def restrict(self, optimizer):
+        """Leaves in `optimizer` only the parameters this rank steps (every one it does
+        not hold at all, on another pp rank, stays: it has no gradient here)."""
+        held = self._held
+        optimizer._smp_full_groups = [list(g["params"]) for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) not in held or self.owns(p)]
+        for p in list(optimizer.state):
+            if id(p) in held and not self.owns(p):
+                del optimizer.state[p]
+        # zero_grad() clears every gradient it used to: the others' parameters still
+        # get gradients here (all-reduced), which must not pile up across steps.
+        others = [p for p in self._order if not self.owns(p)]
+        own_zero_grad = optimizer.zero_grad
+
+        def zero_grad(set_to_none=True):
+            own_zero_grad(set_to_none=set_to_none)
+            for p in others:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+        optimizer.zero_grad = zero_grad
+
+    def rounds(self, cap_bytes):
+        """The unsliced parameters' rounds (_Division.rounds), over the dp group."""
+        return self._whole.rounds(cap_bytes)
+
     def step(self, optimizer, own_step, closure=None, cap_bytes=25 << 20):
         """The optimizer's step on this rank's share, round by round, each round's
         parameters broadcast by their stepping rank while the next round is stepped
@@ -171,21 +222,31 @@ class Shard:
                 loss = closure()
         groups = optimizer.param_groups
         saved = [g["params"] for g in groups]
-        exchange = _C.ShareExchange(get_dp_process_group(), cap_bytes / 2**20,
-                                    state.cfg.timeout_s)
+        # Note [Sharded tp slices]: the unsliced parameters go over the dp group, then
+        # the slices over the rdp group (every rank issues both in this order).
+        parts = [(self._whole, self.dp_rank, get_dp_process_group())]
+        if any(self._slices.by_rank):
+            parts.append((self._slices, self.rdp_rank, get_rdp_process_group()))
+        exchanges = []
         whole_step = getattr(optimizer, "_smp_whole_step", contextlib.nullcontext)
         try:
             with whole_step():  # Note [Steps in rounds]
-                self._rounds_of(groups, saved, own_step, exchange, cap_bytes)
-            exchange.wait(0)
+                for division, me, group in parts:
+                    exchanges.append(_C.ShareExchange(group, cap_bytes / 2**20,
+                                                      state.cfg.timeout_s))
+                    self._rounds_of(division.rounds(cap_bytes), me, groups, saved, own_step,
+                                    exchanges[-1])
+            for exchange in exchanges:
+                exchange.wait(0)
         finally:
-            del exchange  # waits for anything still in flight (after an error)
+            del exchanges  # waits for anything still in flight (after an error)
         return loss
 
-    def _rounds_of(self, groups, saved, own_step, exchange, cap_bytes):
-        """Steps each round's part of this rank's share and starts its exchange."""
-        for per_rank in self.rounds(cap_bytes):
-            now = {id(p) for p in per_rank[self.dp_rank]}
+    def _rounds_of(self, rounds, me, groups, saved, own_step, exchange):
+        """Steps each round's part of this rank's (group rank `me`) share and starts its
+        exchange."""
+        for per_rank in rounds:
+            now = {id(p) for p in per_rank[me]}
             if now:
                 try:
                     for g, ps in zip(groups, saved):
@@ -224,7 +285,12 @@ def divide(model):
     params = model.replica.params()
     tied = model.pipeline.tied if model.pipeline is not None else None
     replicated = [p for p in params if tied is not None and tied.holds(p)]
-    return Shard(params, ranks.dp_size(), ranks.dp_rank(), replicated)
+    if ranks.tp_size() == 1:  # the rdp group is the dp group: nothing is a slice
+        return Shard(params, ranks.dp_size(), ranks.dp_rank(), replicated)
+    # Note [Sharded tp slices]
+    sliced = [p for p in params if hasattr(p, "_smp_tp_dim")]  # as smp/replica.py marks
+    rdp_of = [state.topology.rdp_rank(r) for r in ranks.get_dp_group()]
+    return Shard(params, ranks.dp_size(), ranks.dp_rank(), replicated, sliced, rdp_of)
 
 
 def install(model, optimizer):

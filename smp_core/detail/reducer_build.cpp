@@ -57,25 +57,23 @@ using detail::align64;
 // - Slice buckets live outside the shared-memory arena and are summed by allreduce over
 //   the rdp group (make_slice_routed_hook): the arena sums over every rank of the dp
 //   group. The used bitmap and the rebuild order stay on the dp group.
+// - Optimizer-state sharding (Note [Reduce to owner]): a slice's owner is a rank of
+//   its rdp group (ReducerOptions::owners gives rdp ranks for slices, dp ranks for the
+//   rest; python/smp/optimizer_sharding.py divides them so), so a slice bucket's
+//   segments are reduced to their owners over the rdp group, through the process group
+//   (never the arena), and keeps() compares a slice's owner with this rank's rdp rank.
+//   The stepped slices go back over the rdp group too (Note [Sharded optimizer state]).
 // - A comm hook (PowerSGD, compression) reduces whole buckets over one group with its
-//   own state, and owners (optimizer-state sharding) are dp ranks: neither is made for
-//   slices yet, so check_slices refuses both, naming the two settings.
+//   own state: not made for slices yet, so check_slices refuses it, naming both.
 // With tp = 1 the rdp group is the dp group and the marks change nothing.
 
-void Reducer::check_slices(bool sliced, const std::string& hook, bool sharded) {
-  if (!sliced) return;
-  static const char* kWhy =
-      " reduces over the whole dp group, but tensor-parallel slices (parameters with "
-      "_smp_tp_dim, from distributed modules under config 'tensor_parallel_degree' > 1) "
-      "must be reduced over their rdp group; not supported yet together: ";
-  if (!hook.empty())
-    throw ConfigError(str_cat("smp: the comm hook '", hook, "'", kWhy,
-                              "register no comm hook, or use no distributed modules"));
-  if (sharded)
-    throw ConfigError(str_cat("smp: config 'shard_optimizer_state'=true (each gradient "
-                              "reduced to the dp rank that steps it)", kWhy,
-                              "set 'shard_optimizer_state' to false, or use no distributed "
-                              "modules"));
+void Reducer::check_slices(bool sliced, const std::string& hook) {
+  if (!sliced || hook.empty()) return;
+  throw ConfigError(str_cat(
+      "smp: the comm hook '", hook, "' reduces whole buckets over the dp group, but "
+      "tensor-parallel slices (parameters with _smp_tp_dim, from distributed modules under "
+      "config 'tensor_parallel_degree' > 1) must be reduced over their rdp group; not "
+      "supported yet together: register no comm hook, or use no distributed modules"));
 }
 
 void Reducer::Impl::init() {
@@ -110,15 +108,6 @@ void Reducer::Impl::init() {
                                 " entries) is not a permutation of the ", n,
                                 " parameter indices"));
   }
-  if (sharded()) {
-    bool ok = static_cast<int64_t>(opts.owners.size()) == n;
-    for (int o : opts.owners) ok = ok && o >= -1 && o < world;
-    if (!ok)
-      throw ConfigError(str_cat("smp: Reducer: owners (", opts.owners.size(),
-                                " entries) must give each of the ", n,
-                                " parameters a rank of the group (0..", world - 1,
-                                ") or -1 (every rank)"));
-  }
   if (!opts.sliced.empty()) {  // Note [Slices reduce over their rdp group]
     if (static_cast<int64_t>(opts.sliced.size()) != n)
       throw ConfigError(str_cat("smp: Reducer: sliced (", opts.sliced.size(),
@@ -131,6 +120,7 @@ void Reducer::Impl::init() {
     if (any) {
       slice_pg = opts.slice_group;
       slice_world = slice_pg->getSize();
+      slice_rank = slice_pg->getRank();
       if (slice_world > world || world % slice_world != 0)
         throw ConfigError(str_cat("smp: Reducer: the slice group's size ", slice_world,
                                   " does not divide the size ", world, " of ", group));
@@ -143,7 +133,19 @@ void Reducer::Impl::init() {
       }
     }
   }
-  Reducer::check_slices(slicing(), "", sharded());
+  if (sharded()) {  // after the slices: a slice's owner is a rank of its rdp group
+    bool ok = static_cast<int64_t>(opts.owners.size()) == n;
+    for (int64_t i = 0; ok && i < n; ++i) {
+      const int o = opts.owners[i];
+      ok = o >= -1 && o < (slicing() && groups[i] ? slice_world : world);
+    }
+    if (!ok)
+      throw ConfigError(str_cat("smp: Reducer: owners (", opts.owners.size(),
+                                " entries) must give each of the ", n,
+                                " parameters a rank of the group (0..", world - 1,
+                                "; a tp slice: of the slice group, 0..", slice_world - 1,
+                                ") or -1 (every rank)"));
+  }
   verify_across_ranks(order);
   bitmap_slots = detail::UsedBitmap(params.size(), world);
   rebuild_pending = opts.rebuild_buckets;
@@ -336,9 +338,13 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
   } else {
     bitmap = at::zeros({slots}, at::kInt);
   }
+  CommHookPtr slice_hook;  // null: allreduce (Note [Slices reduce over their rdp group])
   if (sharded()) {
     detail::BucketSegments segments;
     for (const auto& bk : fresh) segments.push_back(bk.segments);
+    if (slicing())  // a slice bucket's owners are rdp ranks: reduced over the rdp group
+      slice_hook = detail::make_owner_reduce_hook(nullptr, offsets, segments, opts.timeout_s,
+                                                  slice_group, steps_done);
     hook = detail::make_owner_reduce_hook(arena, offsets, std::move(segments), opts.timeout_s,
                                           group, steps_done);
   } else if (default_hook) {
@@ -350,7 +356,7 @@ void Reducer::Impl::build_buckets(std::vector<std::vector<int64_t>> new_layout) 
   if (slicing() && default_hook) {  // Note [Slices reduce over their rdp group]
     std::vector<char> sliced_bucket;
     for (const auto& bk : fresh) sliced_bucket.push_back(static_cast<char>(bk.group));
-    hook = detail::make_slice_routed_hook(hook, std::move(sliced_bucket));
+    hook = detail::make_slice_routed_hook(hook, slice_hook, std::move(sliced_bucket));
   }
   buckets = std::move(fresh);
   layout = std::move(new_layout);

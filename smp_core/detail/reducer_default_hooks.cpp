@@ -112,19 +112,24 @@ class OwnerReduceHook : public CommHook {
 
 // Note [Slices reduce over their rdp group] (detail/reducer_build.cpp): the default
 // hook of a reducer with tp slices. Replicated buckets go to `replicated_` (the shared
-// memory or the dp group's allreduce); a slice bucket is summed over its own group,
-// the rdp group its GradBucket carries, never in the arena (which spans the dp group).
+// memory or the dp group's allreduce, or their reductions to owners); a slice bucket
+// is summed over its own group, the rdp group its GradBucket carries, never in the
+// arena (which spans the dp group): by `sliced_` (with optimizer-state sharding, the
+// reduction to its owners, rdp ranks, through the process group) or an allreduce.
 class SliceRoutedHook : public CommHook {
  public:
-  SliceRoutedHook(CommHookPtr replicated, std::vector<char> sliced_bucket)
-      : replicated_(std::move(replicated)), sliced_bucket_(std::move(sliced_bucket)) {}
+  SliceRoutedHook(CommHookPtr replicated, CommHookPtr sliced, std::vector<char> sliced_bucket)
+      : replicated_(std::move(replicated)), sliced_(std::move(sliced)),
+        sliced_bucket_(std::move(sliced_bucket)) {}
   FuturePtr run(GradBucket& bucket) override {
     if (sliced_bucket_.at(bucket.index()))
-      return allreduce_flat(bucket.process_group(), bucket.buffer());
+      return sliced_ ? sliced_->run(bucket)
+                     : allreduce_flat(bucket.process_group(), bucket.buffer());
     return replicated_->run(bucket);
   }
   at::Tensor result(GradBucket& bucket, const c10::IValue& value) override {
-    if (sliced_bucket_.at(bucket.index())) return CommHook::result(bucket, value);
+    if (sliced_bucket_.at(bucket.index()))
+      return sliced_ ? sliced_->result(bucket, value) : CommHook::result(bucket, value);
     return replicated_->result(bucket, value);
   }
   std::string name() const override { return replicated_->name(); }
@@ -132,13 +137,16 @@ class SliceRoutedHook : public CommHook {
 
  private:
   CommHookPtr replicated_;
+  CommHookPtr sliced_;  // null: allreduce over the slice group
   std::vector<char> sliced_bucket_;  // per bucket index
 };
 
 }  // namespace
 
-CommHookPtr make_slice_routed_hook(CommHookPtr replicated, std::vector<char> sliced_bucket) {
-  return std::make_shared<SliceRoutedHook>(std::move(replicated), std::move(sliced_bucket));
+CommHookPtr make_slice_routed_hook(CommHookPtr replicated, CommHookPtr sliced,
+                                   std::vector<char> sliced_bucket) {
+  return std::make_shared<SliceRoutedHook>(std::move(replicated), std::move(sliced),
+                                           std::move(sliced_bucket));
 }
 
 CommHookPtr make_owner_reduce_hook(std::shared_ptr<ShmArena> arena, std::vector<size_t> offsets,

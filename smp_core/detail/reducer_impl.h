@@ -67,9 +67,11 @@ CommHookPtr make_owner_reduce_hook(std::shared_ptr<ShmArena> arena, std::vector<
                                    std::string group,
                                    std::shared_ptr<std::atomic<int64_t>> steps);
 // Note [Slices reduce over their rdp group]: `replicated` for the buckets of the
-// reducer's group; a bucket with `sliced_bucket[index]` set is summed by allreduce over
-// its own (slice) group instead.
-CommHookPtr make_slice_routed_hook(CommHookPtr replicated, std::vector<char> sliced_bucket);
+// reducer's group; a bucket with `sliced_bucket[index]` set goes to `sliced` instead
+// (with owners: the reduction to owners over the slice group), or, when that is null,
+// is summed by allreduce over its own (slice) group.
+CommHookPtr make_slice_routed_hook(CommHookPtr replicated, CommHookPtr sliced,
+                                   std::vector<char> sliced_bucket);
 
 // Note [Hierarchical reduction] (detail/host_links.cpp): the links between the hosts
 // of `pg` (collective over it; null on every rank when the group stays flat).
@@ -121,6 +123,7 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   // (empty when none is).
   ProcessGroupPtr slice_pg;
   int slice_world = 1;
+  int slice_rank = 0;  // this rank's rank in the slice group
   std::string slice_group;  // "the rdp process group (gloo, rank 0 of 2)"
   std::vector<int> groups;
   bool slicing() const { return !groups.empty(); }
@@ -200,8 +203,12 @@ struct Reducer::Impl : std::enable_shared_from_this<Reducer::Impl> {
   // replicated part first; else `layout` itself.
   std::vector<std::vector<int64_t>> arranged(std::vector<std::vector<int64_t>> layout) const;
   bool sharded() const { return !opts.owners.empty(); }
-  // Whether this rank keeps parameter i's reduced gradient.
-  bool keeps(int64_t i) const { return !sharded() || opts.owners[i] < 0 || opts.owners[i] == rank; }
+  // Whether this rank keeps parameter i's reduced gradient (a tp slice's owner is a
+  // rank of the slice group, Note [Slices reduce over their rdp group]).
+  bool keeps(int64_t i) const {
+    return !sharded() || opts.owners[i] < 0 ||
+           opts.owners[i] == (slicing() && groups[i] ? slice_rank : rank);
+  }
   void verify_across_ranks(const std::vector<int64_t>& order);
   // compute_bucket_assignment with this reducer's caps and groups, arranged().
   std::vector<std::vector<int64_t>> assign(const std::vector<int64_t>& order) const;

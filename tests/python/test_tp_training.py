@@ -61,6 +61,8 @@ for i in range(20):
     if i == 0:  # the reduced gradients themselves (Adam would hide a wrong scale)
         grad_diff = 0.0
         for name, p in model.local_named_parameters():
+            if p.grad is None:  # sharded: another rank keeps it (checked there)
+                continue
             want = dict(reference.named_parameters())[name].grad
             if hasattr(p, "_smp_tp_dim"):
                 start, length = p._smp_tp_slice
@@ -87,8 +89,19 @@ for name, p in model.local_named_parameters():
     d = (p.detach() - want).abs().max().item()
     if d > diff:
         diff, worst = d, name
+# Optimizer state: bytes of the state tensors this rank holds, the elements of the
+# parameters it steps, and of its slices and replicated parameters.
+state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values()
+                  for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+shard = model.replica.shard
+params = list(model.local_parameters())
+stepped = sum(p.numel() for p in params if shard is None or shard.owns(p))
+sliced = sum(p.numel() for p in params if hasattr(p, "_smp_tp_dim"))
 print("TRAIN " + json.dumps({"losses": losses, "ref": ref_losses, "param_diff": diff,
-                                  "grad_diff": grad_diff, "worst": worst}), flush=True)
+                                  "grad_diff": grad_diff, "worst": worst,
+                                  "state_bytes": state_bytes, "stepped": stepped,
+                                  "sliced": sliced, "whole": sum(p.numel() for p in params) - sliced}),
+      flush=True)
 """
 
 
@@ -99,13 +112,24 @@ print("TRAIN " + json.dumps({"losses": losses, "ref": ref_losses, "param_diff": 
     (4, {"cfg": {"prescaled_batch": True}, "checkpointing": True, "deferred": True}),
     (2, {"cfg": {"bf16": True}}),
     (2, {"cfg": {"fp16": True}}),
+    (4, {"cfg": {"shard_optimizer_state": True}}),
 ], ids=["tp2", "tp2xpp2", "tp2xpp2xrdp2", "tp2xrdp2-prescaled-checkpointed-deferred",
-        "tp2-bf16", "tp2-fp16"])
+        "tp2-bf16", "tp2-fp16", "tp2xrdp2-sharded"])
 def test_lm_head_trains_as_one_process(ranks, world, opts):
     here = os.path.dirname(os.path.abspath(__file__))
     res = ranks(TRAIN, world, args=(json.dumps(opts), here), timeout=300)
-    for r in res:
-        got = json.loads(r.stdout.split("TRAIN ", 1)[1].splitlines()[0])
+    reports = [json.loads(r.stdout.split("TRAIN ", 1)[1].splitlines()[0]) for r in res]
+    if opts.get("cfg", {}).get("shard_optimizer_state"):
+        # Note [Sharded tp slices] (smp/optimizer_sharding.py): each rank holds AdamW's
+        # two fp32 moments for the parameters it steps only; together the 4 ranks hold
+        # each replicated parameter once and each tp rank's slices once (tp x rdp = 2 x 2),
+        # so each holds about (whole + 2 sliced) / 4 instead of whole + sliced.
+        whole, sliced = reports[0]["whole"], reports[0]["sliced"]
+        for got in reports:
+            assert got["state_bytes"] == 8 * got["stepped"], got
+            assert got["state_bytes"] < 0.6 * 8 * (whole + sliced), (got, whole, sliced)
+        assert sum(g["stepped"] for g in reports) == whole + 2 * sliced, reports
+    for got in reports:
         half = opts.get("cfg", {}).keys() & {"bf16", "fp16"}
         if half:  # against the fp32 reference: half precision's rounding, no more
             for a, b in zip(got["losses"], got["ref"]):

@@ -268,6 +268,52 @@ TEST_P(ReducerPaths, SlicesReduceOverTheirRdpGroup) {
   }
 }
 
+// Note [Slices reduce over their rdp group] with owners (optimizer-state sharding): a
+// slice's owner is a rank of its rdp group and only it keeps the slice's reduced
+// gradient; replicated parameters are owned by dp ranks as without tp. 4 ranks as
+// tp=2 x rdp=2 (rdp groups {0, 2} and {1, 3}, rdp rank r / 2).
+TEST_P(ReducerPaths, SlicesReduceToTheirRdpOwners) {
+  const Shapes shapes = {{3, 5}, {7}, {4}, {2, 3}, {6}, {5}};
+  for (bool prescaled : {false, true}) {
+    for (size_t cap : {size_t{1}, kDefaultBucketBytesCap}) {
+      run_gloo_world(4, [&](int r, const ProcessGroupPtr& pg, const StorePtr& store) {
+        auto rdp_store = c10::make_intrusive<c10d::PrefixStore>(
+            str_cat("rdp-owners", r % 2, prescaled, cap), store);
+        auto rdp = compat::make_gloo_group(rdp_store, r / 2, 2, std::chrono::milliseconds(10000),
+                                           "127.0.0.1");
+        auto ps = make_params(shapes);
+        ReducerOptions o;
+        o.bucket_cap_bytes = cap;
+        o.shared_memory = GetParam();
+        o.sliced = {0, 1, 0, 1, 1, 0};
+        o.owners = {3, 1, -1, 0, 1, 2};  // slices: rdp ranks; the rest: dp ranks
+        o.slice_group = rdp;
+        o.prescaled_batch = prescaled;
+        Reducer red(ps, pg, o);
+        EXPECT_EQ(red.shared_memory(), GetParam());
+        const double slice_sum = r % 2 == 0 ? 1 + 3 : 2 + 4;  // (r + 1) over the rdp group
+        for (int s = 0; s < 3; ++s) {
+          zero_grads(ps, s % 2 == 0);
+          step(red, linear_loss(ps, r + 1));
+          for (size_t i = 0; i < ps.size(); ++i) {
+            const std::string what = str_cat("prescaled=", prescaled, " cap=", cap, " step ", s,
+                                             " param ", i);
+            const bool mine = o.owners[i] < 0 || o.owners[i] == (o.sliced[i] ? r / 2 : r);
+            if (mine)
+              expect_all(ps[i].grad(), o.sliced[i] ? slice_sum / (prescaled ? 2 : 4) : 2.5,
+                         1e-6, what);
+            else
+              EXPECT_FALSE(ps[i].grad().defined()) << what << ": kept by another rank";
+          }
+        }
+        ReducerOptions bad = o;
+        bad.owners = {3, 2, -1, 0, 1, 2};  // a slice owned by dp rank 2: not an rdp rank
+        EXPECT_THROW(Reducer(make_params(shapes), pg, bad), ConfigError);
+      });
+    }
+  }
+}
+
 // Note [Reduce to owner]: each rank keeps the average of the gradients it owns (and of
 // those every rank keeps, owner -1); the others' .grad is None after every step, with
 // any bucket size, accumulation without sync in between, and a rebuild.

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "smp_core/comm.h"
 
@@ -32,6 +33,12 @@ class JoinProtocol {
  public:
   // `group_name` names the group in errors ("dp").
   JoinProtocol(ProcessGroupPtr pg, double timeout_s = 300.0, std::string group_name = "dp");
+
+  // Note [Join under tensor parallelism] (join.cpp): `replica_of[r]` names the replica
+  // (the tp group) of group rank r; from then on each "not joined" allreduce carries
+  // every rank's state, and a replica whose ranks differ (some joined, some not) is a
+  // ConfigError on every rank of the group, naming `tp_degree`. Empty: off (tp = 1).
+  void set_replicas(std::vector<int> replica_of, int tp_degree);
 
   // Active rank, once per iteration: contributes 1 to the "not joined" allreduce and
   // returns how many ranks of the group are still active (this one included).
@@ -56,12 +63,16 @@ class JoinProtocol {
 
  private:
   int64_t allreduce(int64_t value, bool max, const std::string& what);
+  // The "not joined" allreduce of this iteration (Note [Join under tensor parallelism]).
+  int64_t not_joined(bool active, const std::string& what);
 
   ProcessGroupPtr pg_;
   double timeout_s_;
   std::string group_;  // "the dp process group (gloo, rank 0 of 2)"
   int rank_ = 0, size_ = 1;
   int64_t iteration_ = 0;
+  std::vector<int> replica_of_;  // per group rank; empty: tp = 1
+  int tp_degree_ = 1;
 };
 
 }  // namespace smp

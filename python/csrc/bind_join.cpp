@@ -27,6 +27,10 @@ void bind_join(py::module_& m) {
            }),
            py::arg("process_group"), py::arg("timeout_s") = py::none(),
            py::arg("group_name") = "dp")
+      .def("set_replicas", &JoinProtocol::set_replicas, py::arg("replica_of"),
+           py::arg("tp_degree"),
+           "Note [Join under tensor parallelism] (smp_core/join.cpp): the replica of each "
+           "group rank; a replica whose ranks join apart raises ConfigError on every rank.")
       .def("notify_not_joined", &JoinProtocol::notify_not_joined, release())
       .def("count_not_joined", &JoinProtocol::count_not_joined, release())
       .def("check_early_termination", &JoinProtocol::check_early_termination,

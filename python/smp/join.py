@@ -19,7 +19,10 @@ The model's join (`DistributedModel.join_hook`) adds, per iteration, decided in 
      every bucket through the registered hook chain with zeros.
 With partitions > 1 each pp rank does this on its own dp group; the driver (pp rank 0)
 decides its replica's join state and tells its pp peers with each step (see
-Note [Join with pipeline parallelism]).
+Note [Join with pipeline parallelism]). Under tensor_parallel_degree > 1 the tp ranks of
+a replica join together (else a ConfigError on every rank), a shadow step's buckets go
+over the dp and rdp groups as a real step's, and the final parameters' tp slices come
+over the rdp group (Note [Join under tensor parallelism] in smp_core/join.cpp).
 """
 import abc
 import warnings
@@ -30,9 +33,9 @@ import torch
 import smp._C as _C
 from smp import optimizer_sharding
 from smp.collectives import STEP_CALL, api_call
-from smp.groups import get_dp_process_group
-from smp.process_state import is_initialized
-from smp.ranks import pp_rank, pp_size
+from smp.groups import get_dp_process_group, get_rdp_process_group
+from smp.process_state import is_initialized, state
+from smp.ranks import get_dp_group, pp_rank, pp_size, tp_size
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 
@@ -89,11 +92,18 @@ _protocols = {}
 
 
 def _protocol(pg):
-    """The JoinProtocol of `pg` (one per group, so its iteration count is the group's)."""
+    """The JoinProtocol of `pg` (one per group, so its iteration count is the group's).
+    On the dp group under tensor parallelism it knows each rank's replica (Note [Join
+    under tensor parallelism] in smp_core/join.cpp)."""
     held = _protocols.get(id(pg))
     if held is None or held[0] is not pg:
-        name = "dp" if is_initialized() and pg is get_dp_process_group() else "join"
-        held = (pg, _C.JoinProtocol(pg, group_name=name))
+        dp = is_initialized() and pg is get_dp_process_group()
+        rdp = is_initialized() and not dp and pg is get_rdp_process_group()
+        proto = _C.JoinProtocol(pg, group_name="dp" if dp else "rdp" if rdp else "join")
+        if dp and tp_size() > 1:
+            proto.set_replicas([state.topology.rdp_rank(r) for r in get_dp_group()],
+                               tp_size())
+        held = (pg, proto)
         _protocols[id(pg)] = held
     return held[1]
 
@@ -368,13 +378,23 @@ def shadow_step(model):
 
 def sync_final_model(model, is_last_joiner):
     """Post hook: every rank takes the parameters and buffers of the last joiner (the
-    highest dp rank among them)."""
+    highest dp rank among them). Under tensor parallelism a tp slice (`_smp_tp_dim`)
+    comes from the last joiner of its rdp group, the ranks holding the same slice (Note
+    [Join under tensor parallelism] in smp_core/join.cpp): the tp ranks of a replica
+    join together, so every rdp group has one."""
     replica = model.replica
     if not replica.reduces:
         return
     proto = _protocol(get_dp_process_group())
-    tensors = list(model.local_parameters()) + list(model.local_buffers())
+    params = list(model.local_parameters())
+    slices = [p for p in params if hasattr(p, "_smp_tp_dim")] if tp_size() > 1 else []
+    sliced_ids = {id(p) for p in slices}
+    whole = [p for p in params if id(p) not in sliced_ids]
+    tensors = whole + list(model.local_buffers())
     _C.join_sync_final(proto, replica.reducer, tensors, bool(is_last_joiner))
+    if slices:  # every rank of the stage has them (the reducer checked the marks)
+        _C.join_sync_final(_protocol(get_rdp_process_group()), None, slices,
+                           bool(is_last_joiner))
 
 
 # Note [Join with pipeline parallelism]

@@ -13,7 +13,7 @@ import smp
 
 prescaled = sys.argv[1] == "1"
 smp.init({"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": prescaled,
-          "timeout_s": 60})
+          "timeout_s": 60, "shard_optimizer_state": sys.argv[2:] == ["shard"]})
 tp, T, tpg = smp.tp_rank(), smp.tp_size(), smp.get_tp_process_group()
 
 
@@ -166,6 +166,12 @@ def test_slices_reduce_over_rdp_and_clip_by_the_whole_norm(ranks):
 
 def test_slices_with_prescaled_batch(ranks):
     _check(_reports(ranks(SLICED, 4, args=("1",), timeout=120)))
+
+
+def test_sharded_slices_step_and_clip_by_the_whole_norm(ranks):
+    # Note [Sharded tp slices] (smp/optimizer_sharding.py): each slice stepped by one
+    # rank of its rdp group, each gradient counted once in the norm over the world.
+    _check(_reports(ranks(SLICED, 4, args=("0", "shard"), timeout=120)))
 
 
 REFUSED = r"""

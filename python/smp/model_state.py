@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from smp import agreement
+from smp import agreement, tp_state
 from smp.collectives import agree_call, allgather, api_call
-from smp.groups import CommGroup, get_pp_process_group
+from smp.groups import (CommGroup, get_mp_process_group, get_pp_process_group,
+                        get_tp_process_group)
 from smp.process_state import is_initialized, state
-from smp.ranks import get_pp_group, members, pp_rank, pp_size, rank
+from smp.ranks import get_pp_group, members, pp_rank, pp_size, rank, tp_rank, tp_size
 
 __all__ = []
 
@@ -100,6 +101,56 @@ def gather_to_pp0(obj):
     return out
 
 
+def tp_degree():
+    """tensor_parallel_degree (1 before smp.init)."""
+    return tp_size() if is_initialized() else 1
+
+
+def gather_to_first(obj, group):
+    """The first member of `group` (the lowest rank) gets [obj of each member]; the
+    others get None."""
+    if len(members(group)) == 1:
+        return [obj]
+    pg = {CommGroup.TP_GROUP: get_tp_process_group,
+          CommGroup.MP_GROUP: get_mp_process_group}[group]()
+    dst = members(group)[0]
+    out = [None] * len(members(group)) if rank() == dst else None
+    agree_call(group, f"smp.gather({'TP' if group == CommGroup.TP_GROUP else 'MP'}_GROUP)")
+    dist.gather_object(obj, out, dst=dst, group=pg)
+    return out
+
+
+def gather_parts(local, gather_to_rank0):
+    """Every rank's `local` of this replica (the mp group: pp x tp), or with
+    `gather_to_rank0` only on its first member (None elsewhere); without tensor
+    parallelism the pp group's, gathered to pp rank 0 (SMP v1)."""
+    if tp_degree() == 1:
+        return gather_to_pp0(local) if gather_to_rank0 else allgather(local, CommGroup.MP_GROUP)
+    group = CommGroup.MP_GROUP if pp_size() > 1 else CommGroup.TP_GROUP
+    return gather_to_first(local, group) if gather_to_rank0 else allgather(local, group)
+
+
+def full_of_parts(parts):
+    """One full state from local state dicts of the ranks of a replica: the tp ranks'
+    slices concatenated (Note [Slices in checkpoints] in smp/tp_state.py)."""
+    if not tp_state.has_table(parts):
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def first_wins(objs):
+        out = {}
+        for o in objs:
+            for k, v in o.items():
+                if k == "state" and isinstance(v, dict) and isinstance(out.get(k), dict):
+                    out[k] = {**v, **out[k]}
+                else:
+                    out.setdefault(k, v)
+        return out
+    return tp_state.materialize(tp_state.merge(parts, first_wins))
+
+
 class ModelStateMixin:
     """`local_state_dict`, `state_dict`, `load_state_dict` and the hooks of
     DistributedModel. Uses the model's `_owner`, `_state_tensors`, `_state_shapes`,
@@ -159,9 +210,19 @@ class ModelStateMixin:
             shapes = {k: tuple(t.shape)
                       for k, t in self.module.state_dict(keep_vars=True).items()}
         bad = []
+        marks = self._tp_marks()
         for k, v in sd.items():
             want = shapes.get(k)
-            if torch.is_tensor(v) and want is not None and tuple(v.shape) != want:
+            mark = marks.get(k)
+            if isinstance(v, tp_state.Slices):  # Note [Slices in checkpoints]
+                if mark is not None and v.full_shape != mark[1] or \
+                        mark is None and want is not None and v.full_shape != want:
+                    bad.append(f"'{k}': checkpoint {list(v.full_shape)}, model "
+                               f"{list(mark[1] if mark is not None else want)}")
+                continue
+            # a full tensor where the model holds a tp slice is cut when loaded
+            if torch.is_tensor(v) and want is not None and tuple(v.shape) != want and \
+                    not (mark is not None and tuple(v.shape) == mark[1]):
                 bad.append(f"'{k}': checkpoint {list(v.shape)}, model {list(want)}")
         error = None
         if bad:
@@ -202,7 +263,23 @@ class ModelStateMixin:
                 v = self._state_tensors[k].detach()
                 sd[canonical_key(k)] = v.cpu() if cast_to_cpu else v
         sd[PARTIAL_KEY] = pp_size() > 1
+        if tp_degree() > 1:
+            # Note [Slices in checkpoints] (smp/tp_state.py): which entries are slices
+            marks = {canonical_key(k): m for k, m in self._tp_marks().items()}
+            sd[tp_state.TP_KEY] = tp_state.table(marks, sd, tp_rank(), tp_size())
         return sd
+
+    def _tp_marks(self):
+        """{state key: (dim, full shape, start, length)} of the tp-sliced tensors."""
+        src = self._state_tensors
+        if src is None:
+            src = self.module.state_dict(keep_vars=True)
+        marks = {}
+        for k, v in src.items():
+            m = tp_state.mark_of(v)
+            if m is not None:
+                marks[k] = m
+        return marks
 
     @api_call("model.state_dict()")  # Note [Naming the call] in smp/collectives.py
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False,
@@ -234,20 +311,19 @@ class ModelStateMixin:
 
     def _full_state_dict(self, keep_vars, gather_to_rank0, cast_to_cpu):
         self._require_values("state_dict()")
-        if self._owner is None:
+        tp = tp_degree() > 1 and not keep_vars  # (keep_vars: this rank's Parameters)
+        if self._owner is None and not tp:
             return self._module_state(cast_to_cpu and not keep_vars, keep_vars=keep_vars)
         local = self.local_state_dict(cast_to_cpu=cast_to_cpu)
         local.pop(PARTIAL_KEY)
-        if gather_to_rank0:
-            parts = gather_to_pp0(local)
-            if parts is None:
-                return collections.OrderedDict()
-        else:
-            parts = allgather(local, CommGroup.MP_GROUP)
-        merged = {}
-        for part in parts:
-            merged.update(part)
-        keys = (canonical_key(k) for k in self._state_tensors)
+        # Note [Slices in checkpoints]: under tp the slices are gathered over the tp
+        # group and concatenated, so the full dict loads into the plain module.
+        parts = gather_parts(local, gather_to_rank0)
+        if parts is None:
+            return collections.OrderedDict()
+        merged = full_of_parts(parts)
+        keys = (canonical_key(k) for k in (self._state_tensors if self._state_tensors
+                                           is not None else local))
         return collections.OrderedDict((k, merged[k]) for k in keys if k in merged)
 
     @api_call("model.load_state_dict()")
@@ -269,8 +345,9 @@ class ModelStateMixin:
         # A state read by entry (resume_from_checkpoint): its tensors are verified when
         # kept (Note [Reads by entry] in checkpoint/mapped.cpp).
         entries = getattr(state_dict, "smp_entries", None)
-        sd = self._to_model_keys(dict(state_dict))
+        sd = self._to_model_keys(self._from_hf(dict(state_dict)))
         partial = bool(sd.pop(PARTIAL_KEY, False))
+        sd.pop(tp_state.TP_KEY, None)  # slices: their shapes say (Note [Slices in checkpoints])
         if self._owner is None and (pp_size() > 1 or self._deferred):
             # (a deferred model, smp/deferred_init.py, has no tensors to load into yet)
             pending = _StateWithEntries(sd, **{PARTIAL_KEY: partial})
@@ -295,22 +372,51 @@ class ModelStateMixin:
             raise RuntimeError(
                 f"smp: load_state_dict on {self._rank_tag()}: missing keys "
                 f"{named(missing or my_missing)}, unexpected keys {named(unexpected)}")
+        # Note [Slices in checkpoints]: each tensor this rank keeps, cut at its tp slice
+        # (its own saved piece, or cut from the pieces or from a full tensor).
+        marks = self._tp_marks()
+        kept = [k for k in sd if k in key_set] if self._owner is None else \
+            [k for k in owned if k in sd]
+        if entries is not None:
+            entries.check([tp_state.sources(sd[k], marks.get(k)) for k in kept])
+            entries = None
+        for k in kept:
+            sd[k] = tp_state.resolve(sd[k], marks.get(k), canonical_key(k))
         if self._owner is None:
-            if entries is not None:
-                entries.check([v for k, v in sd.items() if k in key_set])
             with torch.no_grad():
                 result = self.module.load_state_dict(
                     {k: v for k, v in sd.items() if k in key_set}, strict=False)
             return torch.nn.modules.module._IncompatibleKeys(
                 named(result.missing_keys), named(unexpected))
-        if entries is not None:
-            entries.check([sd[k] for k in owned if k in sd])
         with torch.no_grad():
             for k in owned:
                 if k in sd:
                     self._state_tensors[k].copy_(sd[k])
         return torch.nn.modules.module._IncompatibleKeys(named(missing or my_missing),
                                                          named(unexpected))
+
+    def _from_hf(self, sd):
+        """`sd` in smp's names when it is a Hugging Face state dict of a substituted
+        model (a full checkpoint saved with translate_if_full): SMP 1.10's registered
+        translations (`smp.state.module_manager.translate_functions`), the first that
+        leaves no key unknown to the model."""
+        fns = state.module_manager.translate_functions
+        if not fns:
+            return sd
+        keys = set(self._all_state_keys())
+        special = {PARTIAL_KEY, tp_state.TP_KEY}
+        unknown = [k for k in sd if k not in keys and k not in special
+                   and canonical_key(k) not in keys]
+        if not unknown:
+            return sd
+        for _, hf_to_smp in fns:
+            try:
+                got = hf_to_smp(sd)
+            except Exception:  # noqa: BLE001  (not this translation's model)
+                continue
+            if all(k in keys or k in special for k in got):
+                return got
+        return sd
 
     # Note [Loaded as a child]
     # ~~~~~~~~~~~~~~~~~~~~~~~~

@@ -17,10 +17,10 @@ import types
 import torch
 
 from smp import auto_resume, grad_norm, join, process_state
-from smp import mixed_precision, model_state, optimizer_sharding
+from smp import mixed_precision, model_state, optimizer_sharding, tp_state
 from smp.collectives import allgather, api_call
 from smp.groups import CommGroup
-from smp.ranks import pp_size, rank
+from smp.ranks import pp_size, rank, tp_rank, tp_size
 
 __all__ = []
 
@@ -99,7 +99,19 @@ def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
             sd = _keep_local(sd, full, _groups(self, full=True), local)
     sd[model_state.PARTIAL_KEY] = pp_size() > 1
     sd[_BY_NAME] = True
+    if model_state.tp_degree() > 1:
+        # Note [Slices in checkpoints] (smp/tp_state.py): a sliced parameter's state
+        # tensors of its shape are slices too
+        sd[tp_state.TP_KEY] = tp_state.table(_tp_marks(self), sd["state"], tp_rank(),
+                                             tp_size())
     return sd
+
+
+def _tp_marks(self, full=False):
+    """{parameter name: (dim, full shape, start, length)} of the tp-sliced parameters."""
+    params = [p for ps in _groups(self, full) for p in ps]
+    return {n: m for n, p in zip(_param_names(self, full), params)
+            if (m := tp_state.mark_of(p)) is not None}
 
 
 def _keep_local(sd, names, groups, local):
@@ -126,20 +138,23 @@ def _full_groups_by_position(self):
 @api_call("optimizer.state_dict()")  # Note [Naming the call] in smp/collectives.py
 def _state_dict(self, gather_to_rank0=False, cast_to_cpu=False):
     sharded = optimizer_sharding.of(self) is not None
-    if _local_ids() is None and not sharded:
+    tp = model_state.tp_degree() > 1
+    if _local_ids() is None and not sharded and not tp:
         return self._smp_orig_state_dict()
     local = _local_state_dict(self, gather_if_shard=False, cast_to_cpu=cast_to_cpu)
     if sharded:  # every dp rank holds a share (Note [Sharded optimizer state])
         parts = allgather(local, CommGroup.WORLD)
-    elif gather_to_rank0:
-        parts = model_state.gather_to_pp0(local)
+    else:
+        # under tp the tp group's slices too, made full (Note [Slices in checkpoints])
+        parts = model_state.gather_parts(local, gather_to_rank0)
         if parts is None:
             return {}
+    if tp:
+        state = model_state.full_of_parts(parts)["state"]
     else:
-        parts = allgather(local, CommGroup.MP_GROUP)
-    state = {}
-    for part in parts:
-        state.update(part["state"])
+        state = {}
+        for part in parts:
+            state.update(part["state"])
     names = _param_names(self, full=True)
     index = {n: i for i, n in enumerate(names)}
     return _with_scaler({"state": {index[n]: s for n, s in state.items() if n in index},
@@ -159,6 +174,7 @@ def _load_state_dict(self, state_dict):
     scaler_state = sd.pop(mixed_precision.SCALER_KEY, None)
     partial = bool(sd.pop(model_state.PARTIAL_KEY, False))
     from_shards = bool(sd.pop(model_state.SHARDS_KEY, False))  # smp.save(..., v3=True)'s shares
+    sd.pop(tp_state.TP_KEY, None)  # slices: their shapes say (Note [Slices in checkpoints])
     if not sd.pop(_BY_NAME, False):  # torch's positions: over every parameter
         sd = _to_names(self, sd, full=True)
     names = _param_names(self)
@@ -186,14 +202,21 @@ def _load_state_dict(self, state_dict):
         idx = list(range(i, i + len(group["params"])))
         i += len(idx)
         torch_sd["param_groups"].append(dict(saved, params=idx))
+    marks = {}
     for j, n in enumerate(names):
         if n in needed_set and n in state:
             torch_sd["state"][j] = state[n]
+            marks[j] = tp_state.mark_of(params[j])
     # A state read by entry (resume_from_checkpoint): what this rank keeps is verified,
     # then copied off the file's mapping (Note [Reads by entry] in checkpoint/mapped.cpp).
     entries = getattr(state_dict, "smp_entries", None)
     if entries is not None:
-        entries.check(list(torch_sd["state"].values()))
+        entries.check([tp_state.state_sources(s, marks[j])
+                       for j, s in torch_sd["state"].items()])
+    # Note [Slices in checkpoints]: a sliced parameter's state tensors cut at its slice
+    torch_sd["state"] = {j: tp_state.resolve_state(s, marks[j], names[j], copy=True)
+                         for j, s in torch_sd["state"].items()}
+    if entries is not None:
         torch_sd["state"] = entries.take(torch_sd["state"])
     if scaler_state is not None:
         torch_sd[mixed_precision.SCALER_KEY] = scaler_state

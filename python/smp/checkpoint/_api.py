@@ -5,7 +5,8 @@ import pickle
 
 from smp import ranks
 from smp.checkpoint import _async, _commit, _hook_state, _read, _torch_load
-from smp.checkpoint._common import CheckpointError, check_bool, check_path, topology
+from smp.checkpoint._common import (CheckpointError, check_bool, check_path, topology,
+                                   tp_layout)
 from smp.collectives import api_call
 from smp.model_state import SHARDS_KEY
 from smp.process_state import is_initialized
@@ -33,7 +34,10 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
         f: a file name. The directory must exist.
         partial: True: every rank of the pp group (the ranks with dp_rank() == 0; other
             dp ranks skip the write, so they may call too) writes its part; the call is
-            collective over the pp group. False: the calling rank writes `f` alone.
+            collective over the pp group. Under tensor parallelism every rank of the mp
+            group with rdp_rank() == 0 writes its part `f"{f}_{pp_rank * tp_size +
+            tp_rank}"` (its slices: Note [Slices in checkpoints] in smp/tp_state.py),
+            collective over that group. False: the calling rank writes `f` alone.
         pickle_module, pickle_protocol: as torch.save.
         v3: with partial=True, every rank writes its own shard `f"{f}_{pp_rank}_{dp_rank}"`
             (SMP 1.10's layout for state sharded over dp, e.g. a sharded optimizer's
@@ -65,7 +69,11 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
     _async.check_flag("save", async_save)
     _async.settle()
     obj = _hook_state.strip(obj)
-    _, _, dp_rank, _, _ = topology()
+    # The writers of a partial save: dp rank 0's pp group, or under tensor parallelism
+    # rdp rank 0's mp group, each (pp rank, tp rank) its part (Note [Slices in
+    # checkpoints] in smp/tp_state.py).
+    _, tp_size, rdp_rank = tp_layout()
+    writer_rank = rdp_rank if tp_size > 1 else topology()[2]
     missing = _missing_directory("save", path)
     what = "smp.save(async_save=True)"
     if partial and v3:  # every rank writes (the world agrees on `missing` too)
@@ -74,15 +82,16 @@ def save(obj, f, partial=True, pickle_module=pickle, pickle_protocol=2, v3=False
                                              what)
         _commit.write_shard(obj, path, missing, pickle_module, pickle_protocol)
         return None
-    if missing and (not partial or dp_rank != 0):
+    if missing and (not partial or writer_rank != 0):
         raise CheckpointError(missing)  # the writers below agree on it first
     if not partial:
         if async_save:
             return _commit.write_full_async(obj, path, pickle_module, pickle_protocol, what)
         _commit.write_full(obj, path, pickle_module, pickle_protocol)
         return None
-    if dp_rank != 0:
-        # dp replicas hold the same state; dp rank 0's pp group writes it
+    if writer_rank != 0:
+        # dp replicas hold the same state; dp rank 0's pp group (rdp rank 0's mp group)
+        # writes it
         return _async.start(_async.begin(what, None)) if async_save else None
     if async_save:
         return _commit.write_part_async(obj, path, missing, pickle_module, pickle_protocol, what)
@@ -130,6 +139,7 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
         return _hook_state.rebind(_read.read_full(path, map_location, pickle_module,
                                                   weights_only, pickle_load_args))
     pp_rank, pp_size, _, _, world = topology()
+    tp_rank, tp_size, _ = tp_layout()
     if _read.has_shards(path):
         # smp.save(..., v3=True)'s shards: each rank reads its round of them, and the
         # entries they hold are merged (state by name: an optimizer's shares).
@@ -138,7 +148,8 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
                                  weights_only, pickle_load_args)
         return _hook_state.rebind(_merge_shards(objs))
     return _hook_state.rebind(_read.read_parts(path, pp_rank, pp_size, map_location,
-                                               pickle_module, weights_only, pickle_load_args))
+                                               pickle_module, weights_only, pickle_load_args,
+                                               tp_rank, tp_size))
 
 
 

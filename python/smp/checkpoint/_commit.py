@@ -16,7 +16,7 @@ import torch
 import smp._C as _C
 from smp import ranks
 from smp.checkpoint import _async, _torch_save
-from smp.checkpoint._common import CheckpointError, agree, topology
+from smp.checkpoint._common import CheckpointError, agree, part_of_rank, topology
 from smp.checkpoint._crash import crash_point
 from smp.collectives import allgather
 from smp.groups import CommGroup
@@ -67,11 +67,13 @@ def write_full(obj, path, pickle_module, pickle_protocol):
 
 def write_part(obj, path, missing, pickle_module, pickle_protocol):
     """This pp rank's part `f"{path}_{pp_rank}"` of a partial save; collective over the
-    pp group (dp rank 0's). `missing`: the error to agree on instead of writing (the
-    directory does not exist), or None."""
-    pp_rank, pp_size, _, _, _ = topology()
-    _two_phases(obj, f"{path}_{pp_rank}", pp_rank, pp_size, f"pp rank {pp_rank}", False,
-                missing, pickle_module, pickle_protocol)
+    pp group (dp rank 0's). Under tp, this (pp rank, tp rank)'s part
+    `f"{path}_{pp_rank * tp_size + tp_rank}"`, collective over the mp group of rdp rank
+    0 (Note [Slices in checkpoints] in smp/tp_state.py). `missing`: the error to agree
+    on instead of writing (the directory does not exist), or None."""
+    part, parts, who, group = part_of_rank()
+    _two_phases(obj, f"{path}_{part}", part, parts, who, False, missing, pickle_module,
+                pickle_protocol, group)
 
 
 def write_shard(obj, path, missing, pickle_module, pickle_protocol):
@@ -84,13 +86,15 @@ def write_shard(obj, path, missing, pickle_module, pickle_protocol):
                 missing, pickle_module, pickle_protocol)
 
 
-def _two_phases(obj, final, part, parts, who, world, missing, pickle_module, pickle_protocol):
+def _two_phases(obj, final, part, parts, who, world, missing, pickle_module, pickle_protocol,
+                group=None):
     """Writes part `part` of `parts` as `final`: sealed under a temporary name, the
-    group (the pp group, or with `world` the world) agrees that every part was, each is
-    renamed, and the group agrees that every rename succeeded."""
+    group (the pp group, with `world` the world, or `group`) agrees that every part
+    was, each is renamed, and the group agrees that every rename succeeded."""
     save_id, t_ns = (random.getrandbits(63), time.time_ns())
-    if parts > 1:
+    if group is None:
         group = CommGroup.WORLD if world else CommGroup.PP_GROUP
+    if parts > 1:
         save_id, t_ns = allgather((save_id, t_ns), group)[0]
     tmp, err = None, missing
     try:
@@ -101,7 +105,7 @@ def _two_phases(obj, final, part, parts, who, world, missing, pickle_module, pic
         err = f"smp.save: writing '{final}' failed on {who}: {e}"
     crash_point("after_seal")
     try:
-        agree(err, "every part sealed before any is renamed", world=world)
+        agree(err, "every part sealed before any is renamed", world=world, group=group)
     except CheckpointError:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -114,7 +118,7 @@ def _two_phases(obj, final, part, parts, who, world, missing, pickle_module, pic
     except Exception as e:  # noqa: BLE001
         err = f"smp.save: renaming '{final}' failed on {who}: {e}"
     crash_point("after_rename")
-    agree(err, "every part renamed", world=world)
+    agree(err, "every part renamed", world=world, group=group)
     _C.checkpoint_drop_previous(final)
 
 
@@ -132,9 +136,9 @@ def write_full_async(obj, path, pickle_module, pickle_protocol, what):
 def write_part_async(obj, path, missing, pickle_module, pickle_protocol, what):
     """This pp rank's part of a partial save, on the writer thread; collective over the
     pp group (dp rank 0's) at the call and when it settles."""
-    pp_rank, pp_size, _, _, _ = topology()
-    return _one_phase(obj, f"{path}_{pp_rank}", pp_rank, pp_size, f"pp rank {pp_rank}", False,
-                      missing, pickle_module, pickle_protocol, what)
+    part, parts, who, group = part_of_rank()
+    return _one_phase(obj, f"{path}_{part}", part, parts, who, False, missing, pickle_module,
+                      pickle_protocol, what, group)
 
 
 def write_shard_async(obj, path, missing, pickle_module, pickle_protocol, what):
@@ -146,13 +150,14 @@ def write_shard_async(obj, path, missing, pickle_module, pickle_protocol, what):
 
 
 def _one_phase(obj, final, part, parts, who, world, missing, pickle_module, pickle_protocol,
-               what):
+               what, group=None):
     """Each rank's writer seals and renames its part, keeping the previous generation
     (Note [Generations]), which goes once the save settles. No collective at the call
     (after the group's first asynchronous save, which agrees on the base of its save
     ids): a missing directory is this rank's error, agreed when the save settles, as a
     writer's failure is."""
-    group = CommGroup.WORLD if world else CommGroup.PP_GROUP
+    if group is None:
+        group = CommGroup.WORLD if world else CommGroup.PP_GROUP
     save_id = _async.save_id(group, lambda mine: allgather(mine, group)[0] if parts > 1
                              else mine)
     save = _async.begin(what, group)

@@ -3,9 +3,21 @@ hold merges into one object (smp.load, and merge.py outside a job).
 
 Partial checkpoints are keyed by name, so they reshard: a job with pp_size B reads the
 A parts of a save, each rank the parts that hold its layers."""
+from smp import tp_state
 from smp.checkpoint._common import PARTIAL_KEY
 
 __all__ = []
+
+
+def tp_parts(paths_count, saved_pp, pp_rank, pp_size, tp_rank, tp_size):
+    """The parts of a save of `paths_count` parts by a job of pp size `saved_pp` that
+    this rank reads: part pp * saved_tp + tp (Note [Slices in checkpoints] in
+    smp/tp_state.py) for the saved pp ranks my_parts gives, and of the saved tp ranks
+    only its own when tp is the same, else all of them (to cut its slices from)."""
+    saved_pp = saved_pp if saved_pp > 0 and paths_count % saved_pp == 0 else paths_count
+    saved_tp = paths_count // saved_pp
+    tps = [tp_rank] if saved_tp == tp_size else list(range(saved_tp))
+    return [p * saved_tp + t for p in my_parts(saved_pp, pp_rank, pp_size) for t in tps]
 
 
 def my_parts(parts, pp_rank, pp_size):
@@ -21,6 +33,9 @@ def merge(objs):
     param groups by index; any other value is taken from the first part."""
     if len(objs) == 1:
         return objs[0]
+    if all(isinstance(o, dict) for o in objs) and tp_state.has_table(objs):
+        # Note [Slices in checkpoints]: the tp ranks' slices of an entry combine.
+        return tp_state.merge(objs, merge)
     if all(isinstance(o, dict) for o in objs):
         out, keys, seen = {}, [], set()
         for o in objs:

@@ -9,7 +9,7 @@ import re
 import smp._C as _C
 from smp.checkpoint import _torch_load
 from smp.checkpoint._common import CheckpointError, agree
-from smp.checkpoint._parts import merge, my_parts
+from smp.checkpoint._parts import merge, tp_parts
 
 __all__ = []
 
@@ -98,21 +98,23 @@ def read_full(path, map_location, pickle_module, weights_only, pickle_load_args)
 
 
 def read_parts(path, pp_rank, pp_size, map_location, pickle_module, weights_only,
-               pickle_load_args):
+               pickle_load_args, tp_rank=0, tp_size=1):
     """What the parts of partial save `path` that this rank reads hold, merged;
     collective over the pp group, which agrees first on every part's bytes and then on
-    unpickling them."""
-    err, paths, got = None, None, []
+    unpickling them. A save under tp has a part per (pp rank, tp rank): a rank reads
+    its own tp rank's, or with another tp size every tp rank's (_parts.tp_parts)."""
+    err, paths, got, mine = None, None, [], []
     try:
-        paths, _ = _C.checkpoint_resolve_partial(path)
-        for p in my_parts(len(paths), pp_rank, pp_size):
+        paths, m = _C.checkpoint_resolve_partial(path)
+        mine = tp_parts(len(paths), m.pp_size, pp_rank, pp_size, tp_rank, tp_size)
+        for p in mine:
             got.append(_C.checkpoint_read_verified(paths[p])[1])
     except CheckpointError as e:
         err = str(e)
     agree(err, "verifying the partial checkpoint")
     objs = []
     try:
-        for p, r in zip(my_parts(len(paths), pp_rank, pp_size), got):
+        for p, r in zip(mine, got):
             objs.append(unpickle(r, map_location, pickle_module, pickle_load_args,
                                  weights_only, paths[p]))
     except CheckpointError as e:  # a weights-only refusal: parts differ, so agree on it

@@ -33,8 +33,12 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
     `path/newest` names the tag (written last, atomically); with
     `num_kept_partial_checkpoints=N` only the N newest partial directories remain.
     partial=False: `path/{tag}` holds the full model state dict (plain keys, loadable
-    with torch.load into the unwrapped module), `path/{tag}.optimizer` and
-    `path/user_content_{tag}`. Call on every rank.
+    with torch.load into the unwrapped module; under tensor parallelism the tp slices
+    gathered into full tensors, and with `translate_if_full` a model substituted from
+    Hugging Face's in Hugging Face's names), `path/{tag}.optimizer` and
+    `path/user_content_{tag}`. Call on every rank. Under tensor parallelism a partial
+    save has a part per (pp rank, tp rank), `model_{pp_rank * tp_size + tp_rank}`
+    (Note [Slices in checkpoints] in smp/tp_state.py).
     async_save=True: returns an `smp.checkpoint.SaveFuture` once the state is staged;
     the files are written in the background, and `newest` moves to the tag only when
     every rank's files are committed (Note [Asynchronous save] in _async.py).
@@ -58,18 +62,21 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
     model = model if model is not None else state.model
     optimizer = optimizer if optimizer is not None else state.optimizer
     if not async_save:
-        _write_checkpoint(path, tag, partial, model, optimizer, user_content, False)
+        _write_checkpoint(path, tag, partial, model, optimizer, user_content, False,
+                          translate_if_full)
         _name_newest(path, tag, partial, num_kept_partial_checkpoints)
         return None
     group = CommGroup.WORLD if is_initialized() else None
     with _async.collect("smp.save_checkpoint(async_save=True)", group) as pending:
-        _write_checkpoint(path, tag, partial, model, optimizer, user_content, True)
+        _write_checkpoint(path, tag, partial, model, optimizer, user_content, True,
+                          translate_if_full)
         _async.commit(pending, lambda: _name_newest(path, tag, partial,
                                                     num_kept_partial_checkpoints))
     return _async.SaveFuture(pending)
 
 
-def _write_checkpoint(path, tag, partial, model, optimizer, user_content, async_save):
+def _write_checkpoint(path, tag, partial, model, optimizer, user_content, async_save,
+                      translate_if_full=True):
     """save_checkpoint's files (every rank calls)."""
     if is_initialized() and rank() == 0:
         os.makedirs(path, exist_ok=True)
@@ -95,9 +102,15 @@ def _write_checkpoint(path, tag, partial, model, optimizer, user_content, async_
              partial=True, async_save=async_save)
         auto_resume.save_progress(path, tag, partial=True)
         return
+    # Full tensors: under tp the slices are gathered (Note [Slices in checkpoints] in
+    # smp/tp_state.py), then, with translate_if_full, named as the model substituted
+    # from (SMP 1.10: Hugging Face's names, through its registered translations).
     sd = model.state_dict(gather_to_rank0=True) if model is not None else None
     osd = optimizer.state_dict(gather_to_rank0=True) if optimizer is not None else None
     if not is_initialized() or rank() == 0:
+        if sd is not None and translate_if_full:
+            for smp_to_hf, _ in state.module_manager.translate_functions:
+                sd = smp_to_hf(sd)
         if sd is not None:
             save(sd, os.path.join(path, tag), partial=False, async_save=async_save)
         if osd is not None:

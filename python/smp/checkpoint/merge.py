@@ -22,6 +22,10 @@ unpickles the parts and merges them by key (the same merge smp.load uses):
 - a dict of several things (`{"model": ..., "opt": ..., "step": 7}`) merges entry by
   entry; `--key model` writes only that entry. Values that are not dicts (the step)
   come from part 0.
+- under tensor parallelism a save has a part per (pp rank, tp rank) (`f_{pp * tp_size +
+  tp}`): the tp ranks' slices of a tensor (and of its optimizer state, exp_avg ...)
+  are concatenated into the full tensor, so the merged model state dict loads into the
+  plain (reference) module (Note [Slices in checkpoints] in smp/tp_state.py).
 """
 import argparse
 import collections
@@ -32,6 +36,7 @@ import sys
 import torch
 
 import smp._C as _C
+from smp import tp_state
 from smp.checkpoint import _parts, _read
 from smp.checkpoint._common import PARTIAL_KEY, CheckpointError
 from smp.optimizer import _BY_NAME
@@ -39,13 +44,17 @@ from smp.optimizer import _BY_NAME
 __all__ = []
 
 
-def _strip_partial(obj):
-    """`obj` without smp's `_smp_is_partial` markers, in any dict it holds."""
+def _strip_partial(obj, name=""):
+    """`obj` without smp's `_smp_is_partial` and `_smp_tp` markers, in any dict it
+    holds, and with the tp slices of each tensor concatenated into the full tensor
+    (Note [Slices in checkpoints] in smp/tp_state.py)."""
+    if isinstance(obj, tp_state.Slices):
+        return obj.full(name)
     if isinstance(obj, dict):
         out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
         for k, v in obj.items():
-            if k != PARTIAL_KEY:
-                out[k] = _strip_partial(v)
+            if k not in (PARTIAL_KEY, tp_state.TP_KEY):
+                out[k] = _strip_partial(v, k if isinstance(k, str) else name)
         return out
     return obj
 

@@ -32,6 +32,9 @@ struct Config {
   int tensor_parallel_degree = 1;
   // The ranks of a tp group read the same batch (SMP's prescaled_batch).
   bool prescaled_batch = false;
+  // smp.model_creation() builds the model without parameter storage, as inside
+  // smp.delay_param_initialization() (SMP's delayed_parameter_initialization).
+  bool delayed_parameter_initialization = false;
   // Rank layout: "cluster" (= "DPT") or "spread" (= "TPD"), or a permutation of D, P, T.
   std::string placement_strategy = "cluster";
   // "speed" or "memory": sets the default memory_weight (0.2 or 0.8, as SMP does).

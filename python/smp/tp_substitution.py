@@ -542,6 +542,10 @@ def model_creation(tensor_parallelism=False, dtype=None, distribute_embedding=Fa
         if tensor_parallelism:
             stack.enter_context(_context(True, distribute_embedding=distribute_embedding,
                                          **tensor_parallel_config))
+        st = process_state.state
+        if st.initialized and getattr(st.cfg, "delayed_parameter_initialization", False):
+            # SMP's config key: the block is an smp.delay_param_initialization() block.
+            stack.enter_context(deferred_init.delay_param_initialization(True))
         if dtype is not None:
             before = torch.get_default_dtype()
             torch.set_default_dtype(dtype)

@@ -26,8 +26,11 @@ kw = dict(num_layers=2, num_attention_heads=4, attention_head_size=8, hidden_siz
           hidden_dropout_prob=0.0, activation="gelu_new", causal_mask_size=S,
           pre_layernorm=True, post_layernorm=True)
 torch.manual_seed(0)
-with smp.delay_param_initialization(enabled=bool(opts.get("deferred"))):
+# SMP's config key delayed_parameter_initialization makes model_creation's block a
+# deferred one (no storage until the wrap).
+with smp.model_creation():
     net = smp.nn.DistributedTransformerLMHead(**kw)
+assert all(p.is_meta for p in net.parameters()) == bool(cfg.get("delayed_parameter_initialization"))
 torch.manual_seed(0)
 reference = ref.LMHead(**kw)
 model = smp.DistributedModel(net)
@@ -109,7 +112,8 @@ print("TRAIN " + json.dumps({"losses": losses, "ref": ref_losses, "param_diff": 
     (2, {}),
     (4, {"cfg": {"partitions": 2}}),
     (8, {"cfg": {"partitions": 2}}),
-    (4, {"cfg": {"prescaled_batch": True}, "checkpointing": True, "deferred": True}),
+    (4, {"cfg": {"prescaled_batch": True, "delayed_parameter_initialization": True},
+         "checkpointing": True}),
     (2, {"cfg": {"bf16": True}}),
     (2, {"cfg": {"fp16": True}}),
     (4, {"cfg": {"shard_optimizer_state": True}}),

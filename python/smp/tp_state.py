@@ -242,7 +242,7 @@ def sources(value, mark):
     """The tensors `resolve(value, mark, ...)` reads (to verify them first)."""
     if isinstance(value, Slices):
         return value.sources(*(mark[2:] if mark is not None else (None, None)))
-    return [value] if torch.is_tensor(value) else []
+    return [value]  # (whatever tensors it holds)
 
 
 def resolve_state(state, mark, name, copy=False):
@@ -261,5 +261,5 @@ def resolve_state(state, mark, name, copy=False):
 
 def state_sources(state, mark):
     if not isinstance(state, dict):
-        return []
+        return [state]
     return [t for v in state.values() for t in sources(v, mark)]

@@ -156,12 +156,9 @@ def setup_optimizer(optimizer, static_loss_scale, dynamic_loss_scale, dynamic_lo
         raise _C.ConfigError("smp.DistributedOptimizer: master_weights=False with config "
                                "'fp16'=true (allowed: True; fp16 steps need fp32 master "
                                "weights, only bf16 may go without)")
-    if dtype != torch.float16 and (dynamic_loss_scale or (static_loss_scale or 1.0) != 1.0):
-        raise _C.ConfigError(
-            f"smp.DistributedOptimizer: loss scaling (static_loss_scale={static_loss_scale}, "
-            f"dynamic_loss_scale={dynamic_loss_scale}) needs config 'fp16'=true (it is "
-            f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} here: allowed "
-            "static_loss_scale=1.0, dynamic_loss_scale=False)")
+    # Without fp16 the loss-scaling arguments are checked (above) and then unused, as in
+    # SMP v1.10 ("effective only for FP16 training"): AWS's GPT-2 example passes
+    # static_loss_scale=None, dynamic_loss_scale=True with its args in every precision.
     keep = dtype is not None and master_weights is not False
     optimizer._smp_precision = (_Precision(scaler if dtype == torch.float16 else None, keep)
                                 if dtype is not None else None)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import smp._C as _C
+from smp.nn.layer_norm import FusedLayerNorm
 from smp.nn.distributed import (CutLinear, DistributedEmbedding, DistributedModule,
                                 dropout, outermost, enter, leave, rows_dropout,
                                 tp_group)
@@ -80,9 +81,9 @@ class DistributedAttentionLayer(DistributedModule):
         self.value = CutLinear(hidden_size, inner, True, "column", what, **init)
         self.dense = CutLinear(inner, hidden_size, True, "row", what, **init)
         if pre_layernorm:
-            self.pre_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+            self.pre_layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
         if post_layernorm:
-            self.layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+            self.layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
 
     def _heads(self, t):
         return t.reshape(t.shape[:-1] + (self.local_heads, self.attention_head_size)) \
@@ -156,9 +157,9 @@ class DistributedTransformerOutputLayer(DistributedModule):
         self.dense1 = CutLinear(hidden_size, intermediate_size, True, "column", what, **init)
         self.dense2 = CutLinear(intermediate_size, hidden_size, True, "row", what, **init)
         if pre_layernorm:
-            self.pre_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+            self.pre_layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
         if post_layernorm:
-            self.layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+            self.layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
 
     def forward(self, inp):
         norm = self.pre_layernorm(inp) if self.use_pre_layernorm else inp
@@ -246,7 +247,7 @@ class DistributedTransformer(DistributedModule):
         self.seq_layers = torch.nn.Sequential(
             *[DistributedTransformerLayer(**layer) for _ in range(num_layers)])
         if self.final_layernorm:
-            self.layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+            self.layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
 
     def forward(self, inp):
         with outermost():

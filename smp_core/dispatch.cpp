@@ -17,6 +17,7 @@
 #include "smp_core/autocast_state.h"
 #include "smp_core/detail/dispatcher_impl.h"
 #include "smp_core/errors.h"
+#include "smp_core/runtime.h"
 #include "smp_core/task.h"
 #include "smp_core/task_rng.h"
 
@@ -382,9 +383,22 @@ void Dispatcher::drive(MicrobatchFn run) {
       run(mb);
     }
   };
-  const int64_t threads = std::min<int64_t>(
-      driver_window(I.opts.kind, I.opts.microbatches, I.opts.stages, I.opts.active_microbatches),
-      n);
+  int64_t window =
+      driver_window(I.opts.kind, I.opts.microbatches, I.opts.stages, I.opts.active_microbatches);
+  {
+    // Note [One microbatch at a time under tp]: a stage's tp ranks run collectives in
+    // every distributed block, forward and backward, so each must run its actions in
+    // the same order as its tp peers. A plan fixes that order on every rank (Note
+    // [Executed plan]); without one, the order of a microbatch's backward against the
+    // next one's forward would follow timing, and two tp ranks could pair different
+    // microbatches' tensors in one collective (a hang, or with equal shapes a silently
+    // wrong result). So a step without a plan drives one microbatch at a time there:
+    // each rank then sees one chain of actions, the program's, on every tp rank alike.
+    // The first training step and steps that leave their plan pay the pipeline bubble.
+    std::lock_guard<std::mutex> lock(I.mu);
+    if (!I.exec.on && is_initialized() && runtime().topology().tp_size() > 1) window = 1;
+  }
+  const int64_t threads = std::min<int64_t>(window, n);
   std::exception_ptr start_error;
   for (int64_t i = 0; i < threads && !start_error; ++i) {
     try {

@@ -37,9 +37,9 @@ import torch
 
 import smp._C as _C
 from smp import process_state
-from smp.groups import get_pp_process_group, get_world_process_group
+from smp.groups import get_mp_process_group, get_pp_process_group, get_world_process_group
 from smp.nested import map_leaves
-from smp.ranks import pp_size
+from smp.ranks import pp_size, tp_size
 
 __all__ = []
 
@@ -205,6 +205,10 @@ def overflow_check(model):
         params = list(model.local_parameters())
         if model.replica.shard is not None:  # Note [Sharded optimizer state]
             group = get_world_process_group()
+        elif tp_size() > 1:
+            # A tp rank holds its own slices' gradients: an overflow in one rank's
+            # slice must skip the step on every rank of the replica (pp x tp).
+            group = get_mp_process_group()
         elif pp_size() > 1:
             group = get_pp_process_group()
         else:

@@ -48,8 +48,7 @@ const std::vector<NeutralKey>& neutral_keys() {
   static const std::vector<NeutralKey> keys = {
       {"sharded_data_parallel_degree", 1},
       {"horovod", false},
-      {"fp16_params", false},
-      {"offload_activations", false}};
+      {"fp16_params", false}};
   return keys;
 }
 
@@ -150,7 +149,7 @@ std::vector<std::string> config_keys() {
       "default_partition", "memory_weight",         "active_microbatches", "contiguous",
       "backend",        "ddp_dist_backend",         "timeout_s",    "skip_tracing",
       "p2p_transport",  "shard_optimizer_state", "fp16", "bf16", "tensor_parallel_degree",
-      "prescaled_batch", "delayed_parameter_initialization"};
+      "prescaled_batch", "delayed_parameter_initialization", "offload_activations"};
   for (const auto& k : neutral_keys()) keys.push_back(k.name);
   for (const auto& k : ignored_keys()) keys.push_back(k.first);
   std::sort(keys.begin(), keys.end());
@@ -208,6 +207,7 @@ Config Config::from_json(const std::string& text, int rank) {
   c.tensor_parallel_degree = p.get_int("tensor_parallel_degree", 1, 1);
   c.prescaled_batch = p.get_bool("prescaled_batch", false);
   c.delayed_parameter_initialization = p.get_bool("delayed_parameter_initialization", false);
+  c.offload_activations = p.get_bool("offload_activations", false);
   // SMP's rule: the tp ranks of a stage are replicas of its non-distributed parameters,
   // which only the reducer keeps equal.
   if (c.tensor_parallel_degree > 1 && !c.ddp)
@@ -276,6 +276,7 @@ std::string Config::to_json() const {
             {"tensor_parallel_degree", tensor_parallel_degree},
             {"prescaled_batch", prescaled_batch},
             {"delayed_parameter_initialization", delayed_parameter_initialization},
+            {"offload_activations", offload_activations},
             {"pipeline_parallel_degree", partitions},
             {"ddp_dist_backend", backend}};
   for (const auto& k : neutral_keys()) j[k.name] = k.neutral;

@@ -35,6 +35,9 @@ struct Config {
   // smp.model_creation() builds the model without parameter storage, as inside
   // smp.delay_param_initialization() (SMP's delayed_parameter_initialization).
   bool delayed_parameter_initialization = false;
+  // SMP's offload_activations: activations in host memory (a CPU model's are; a CUDA
+  // model is refused at its first step).
+  bool offload_activations = false;
   // Rank layout: "cluster" (= "DPT") or "spread" (= "TPD"), or a permutation of D, P, T.
   std::string placement_strategy = "cluster";
   // "speed" or "memory": sets the default memory_weight (0.2 or 0.8, as SMP does).

@@ -43,6 +43,20 @@ def _check_arg(name, value, ok, allowed):
 _COMPILE_WATCH = []
 
 
+def _check_offload(model):
+    """Config offload_activations (SMP: checkpointed modules' activations kept in host
+    memory): a CPU model keeps every activation in host memory already; moving a CUDA
+    model's to the host is not built, so that is an error on every rank instead of a
+    silent no-op."""
+    if not getattr(process_state.state.cfg, "offload_activations", False):
+        return
+    devices = {p.device.type for p in model.module.parameters()}
+    if "cuda" in devices:
+        raise ConfigError("smp: config 'offload_activations'=true with a CUDA model is not "
+                          "supported (allowed: false; on CPU, activations already stay in "
+                          "host memory)")
+
+
 def _watch_compile():
     """Note [Compiled names]: torch.compile(model) makes an OptimizedModule whose child
     `_orig_mod` is the model; its state_dict() is the model's, keys and all (the model
@@ -357,6 +371,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
             self._guard_gradients()
             deferred_init.check_optimizer(process_state.state.optimizer)
         self.partitioned = True
+        _check_offload(self)
         self.replica.shard = optimizer_sharding.divide(self)
         activation_checkpointing.after_partition(self)
         self._apply_pending_state()  # deferred model/optimizer loads (model_state.py)

@@ -35,6 +35,16 @@ def _activation(name, x):
     return F.relu(x)
 
 
+def _add_layernorms(block, hidden_size, eps, pre_layernorm, post_layernorm):
+    """A block's `pre_layernorm` (on its input) and `layernorm` (on its output after
+    the residual), as asked, replicated over the tp group."""
+    block.use_pre_layernorm, block.use_post_layernorm = pre_layernorm, post_layernorm
+    if pre_layernorm:
+        block.pre_layernorm = FusedLayerNorm(hidden_size, eps=eps)
+    if post_layernorm:
+        block.layernorm = FusedLayerNorm(hidden_size, eps=eps)
+
+
 def _check_layernorms(owner, pre_layernorm, post_layernorm):
     if not (pre_layernorm or post_layernorm):
         raise _C.ConfigError(f"smp.nn.{owner}: pre_layernorm=False and post_layernorm=False "
@@ -71,7 +81,6 @@ class DistributedAttentionLayer(DistributedModule):
         self.cross_attention = cross_attention
         self.causal_mask_size = causal_mask_size
         self.scale_attention_scores = scale_attention_scores
-        self.use_pre_layernorm, self.use_post_layernorm = pre_layernorm, post_layernorm
         inner = num_attention_heads * attention_head_size
         init = dict(use_normal_initialization=use_normal_initialization,
                     initializer_range=initializer_range)
@@ -80,10 +89,7 @@ class DistributedAttentionLayer(DistributedModule):
         self.key = CutLinear(hidden_size, inner, True, "column", what, **init)
         self.value = CutLinear(hidden_size, inner, True, "column", what, **init)
         self.dense = CutLinear(inner, hidden_size, True, "row", what, **init)
-        if pre_layernorm:
-            self.pre_layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
-        if post_layernorm:
-            self.layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
+        _add_layernorms(self, hidden_size, layernorm_epsilon, pre_layernorm, post_layernorm)
 
     def _heads(self, t):
         return t.reshape(t.shape[:-1] + (self.local_heads, self.attention_head_size)) \
@@ -150,16 +156,12 @@ class DistributedTransformerOutputLayer(DistributedModule):
         self.hidden_dropout_prob = hidden_dropout_prob
         self.activation = activation
         self.fp32_residual_addition = fp32_residual_addition
-        self.use_pre_layernorm, self.use_post_layernorm = pre_layernorm, post_layernorm
         init = dict(use_normal_initialization=use_normal_initialization,
                     initializer_range=initializer_range)
         what = "DistributedTransformerOutputLayer intermediate_size"
         self.dense1 = CutLinear(hidden_size, intermediate_size, True, "column", what, **init)
         self.dense2 = CutLinear(intermediate_size, hidden_size, True, "row", what, **init)
-        if pre_layernorm:
-            self.pre_layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
-        if post_layernorm:
-            self.layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon)
+        _add_layernorms(self, hidden_size, layernorm_epsilon, pre_layernorm, post_layernorm)
 
     def forward(self, inp):
         norm = self.pre_layernorm(inp) if self.use_pre_layernorm else inp

@@ -14,7 +14,7 @@ from smp import agreement, deferred_init, grad_guard, log, mixed_precision, pipe
 from smp import placement, remote_errors, tracer
 from smp.collectives import allgather
 from smp.groups import CommGroup
-from smp.nested import map_leaves
+from smp.nested import leaves, map_leaves
 from smp.process_state import state
 from smp.ranks import pp_rank, pp_size, rank
 
@@ -44,7 +44,8 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
     on_use = deferred and deferred_init.fully_recorded(module)
     on_meta = deferred and not on_use
     copy = (lambda t: t.to("meta")) if on_meta else torch.Tensor.clone
-    args, kwargs = map_leaves(mb_inputs[0], copy, lambda x: isinstance(x, torch.Tensor))
+    args, kwargs = map_leaves(_drivers_microbatch(mb_inputs[0]), copy,
+                              lambda x: isinstance(x, torch.Tensor))
     restore = agreement.snapshot_side_effects(module)
     state.tracing = True
     error = None
@@ -78,6 +79,23 @@ def trace(module, fn, mb_inputs, execution_times, memory_usage, stepping, deferr
                            f"on pp rank {pp_rank()}, {len(ref)} on pp rank 0")
     measured = ("activation_bytes", "time_ms", "mem_bytes", "first_call", "calls")
     return [dict(m, **{k: r[k] for k in measured}) for m, r in zip(mine, ref)]
+
+
+def _drivers_microbatch(mine):
+    """The first microbatch every pp rank traces: the driver's (pp rank 0's) tensors in
+    place of this rank's. As in SMP v1.10 only the driver's inputs are used, so pp ranks
+    other than 0 may pass placeholders (AWS's GPT-2 example gives them empty float
+    tensors); tracing those would fail, or trace another path than the step takes. One
+    allgather over the pp group (every pp rank is here: the first step's agreement
+    passed); a rank whose tensors do not correspond one to one keeps its own."""
+    is_tensor = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
+    mine_t = leaves(mine, is_tensor)
+    sent = [t.detach().cpu() for t in mine_t] if pp_rank() == 0 else None
+    driver = allgather(sent, CommGroup.PP_GROUP)[0]
+    if pp_rank() == 0 or len(driver) != len(mine_t):
+        return mine
+    it = iter(driver)
+    return map_leaves(mine, lambda t: next(it).to(t.device), is_tensor)
 
 
 @contextlib.contextmanager

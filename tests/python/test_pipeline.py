@@ -597,3 +597,53 @@ print("calls", json.dumps({"rank": smp.pp_rank(), "fast": model._engine.calls.fa
         # The driver's `mid` and `pair` calls, 4 microbatches x 5 steps; `scaled`
         # (keyword) and `twice` (b passed twice) had their structure pickled.
         assert got["fast"] == (2 * 4 * 5 if got["rank"] == 0 else 0), got
+
+
+def test_pp_ranks_other_than_the_driver_may_pass_placeholders(ranks):
+    # As in SMP v1.10 only the driver's (pp rank 0's) inputs are used: AWS's GPT-2
+    # example gives pp rank > 0 empty float tensors where token ids go. The first step's
+    # trace runs the driver's microbatch everywhere (tracing the placeholders failed in
+    # the embedding); losses equal the single-process model's.
+    script = r"""
+import torch, torch.nn as nn
+import smp
+smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False,
+          "default_partition": 0, "timeout_s": 60})
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        with smp.partition(1):
+            self.head = nn.Linear(8, 20)
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+torch.manual_seed(0)
+net = LM()
+ref = LM(); ref.load_state_dict(net.state_dict())
+model = smp.DistributedModel(net)
+opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+@smp.step
+def step(model, ids):
+    out = model(ids)
+    loss = nn.functional.cross_entropy(out.reshape(-1, 20), ids.reshape(-1))
+    model.backward(loss)
+    return loss
+gen = torch.Generator().manual_seed(1)
+for it in range(3):
+    ids = torch.randint(0, 20, (4, 5), generator=gen)
+    mine = ids if smp.pp_rank() == 0 else torch.Tensor(0).expand(4, 0)
+    opt.zero_grad()
+    loss = step(model, mine).reduce_mean()
+    opt.step()
+    ropt.zero_grad()
+    rl = sum(nn.functional.cross_entropy(ref(c).reshape(-1, 20), c.reshape(-1))
+             for c in ids.chunk(2)) / 2
+    rl.backward(); ropt.step()
+    if smp.pp_rank() == 0:
+        assert abs(loss.item() - rl.item()) < 1e-5, (loss.item(), rl.item())
+print("OK", smp.rank())
+smp.shutdown()
+"""
+    res = ranks(script, 2, timeout=120)
+    assert all("OK" in r.stdout for r in res)

@@ -6,6 +6,8 @@ tp=2 x pp=2 job trains as one process on both tp ranks' batches.
 """
 import json
 
+from tp_reference import case_outputs, one_job
+
 TOPOLOGY = r"""
 import copy, json, sys
 import torch, torch.nn as nn
@@ -68,14 +70,17 @@ print("TP " + json.dumps(out), flush=True)
 """
 
 
-def _reports(results):
-    return sorted((json.loads(r.stdout.split("TP ", 1)[1].splitlines()[0]) for r in results),
-                  key=lambda o: o["rank"])
+def test_tp2_pp2_layout_groups_and_training_cluster_and_spread(ranks):
+    # One job (tp_reference.one_job) for both placement strategies.
+    res = ranks(one_job([(TOPOLOGY, ("cluster",)), (TOPOLOGY, ("spread",))]), 4, timeout=300)
+    outs = [case_outputs(r.stdout, "TP") for r in res]
+    assert all(len(o) == 2 and all(o) for o in outs), [r.stdout for r in res]
+    _check_cluster(sorted((o[0] for o in outs), key=lambda o: o["rank"]))
+    _check_spread(sorted((o[1] for o in outs), key=lambda o: o["rank"]))
 
 
-def test_tp2_pp2_layout_groups_and_training(ranks):
+def _check_cluster(reps):
     # "DPT" (cluster) on 4 ranks: tp fastest, then pp; rdp = 1 (the SMP docs' table).
-    reps = _reports(ranks(TOPOLOGY, 4, args=("cluster",), timeout=180))
     for r in reps:
         me = r["rank"]
         assert r["sizes"] == [2, 2, 1, 2, 4], r
@@ -93,9 +98,8 @@ def test_tp2_pp2_layout_groups_and_training(ranks):
         assert r["max_diff"] < 1e-5, r
 
 
-def test_tp2_spread_places_tp_groups_far_apart(ranks):
+def _check_spread(reps):
     # "TPD" (spread): rdp fastest, then pp, then tp: the tp peers are 2 ranks apart.
-    reps = _reports(ranks(TOPOLOGY, 4, args=("spread",), timeout=180))
     for r in reps:
         me = r["rank"]
         assert (r["tp"], r["pp"]) == (me // 2, me % 2), r

@@ -6,13 +6,15 @@ GPT-2); a partial save at tp=2 resumes bitwise; a save at tp=2 resumes at tp=1 a
 at tp=1 at tp=2 (Adam's state sliced like its parameters), and training goes on as
 without resharding (1e-6); pp x tp changes reshard too; `python -m smp.checkpoint
 merge` concatenates the slices."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
-import pytest
 import torch
+
+from tp_reference import case_outputs, one_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -109,13 +111,7 @@ emit("FULL", out)
 """
 
 
-def _out(res, tag):
-    return [json.loads(r.stdout.split(tag + " ", 1)[1].splitlines()[0]) for r in res]
-
-
-def test_full_save_at_tp2_loads_strictly_into_the_reference(ranks, tmp_path):
-    res = ranks(FULL, 2, args=(json.dumps({"dir": str(tmp_path)}), HERE), timeout=120)
-    outs = _out(res, "FULL")
+def _check_full(outs):
     for out in outs:
         assert out["sliced"] and out["slices_equal"], out
     # rank 0: the reference took the model and Adam's state; one more step of each agrees
@@ -185,10 +181,7 @@ emit("HF", out)
 """
 
 
-def test_full_save_of_substituted_gpt2_at_tp2_loads_into_plain_gpt2(ranks, tmp_path):
-    pytest.importorskip("transformers")
-    res = ranks(HF, 2, args=(json.dumps({"dir": str(tmp_path)}), HERE), timeout=120)
-    outs = _out(res, "HF")
+def _check_hf(outs):
     assert outs[0]["keys"], outs[0]
     assert outs[0]["diff"] < 1e-5, outs[0]
     assert all(o["round_trip"] for o in outs), outs
@@ -221,9 +214,8 @@ emit("PARTIAL", {"losses": a_losses == b_losses, "params": all(torch.equal(a[k],
 """
 
 
-def test_partial_save_at_tp2_resumes_bitwise_and_merges(ranks, tmp_path):
-    res = ranks(PARTIAL, 2, args=(json.dumps({"dir": str(tmp_path)}), HERE), timeout=120)
-    for out in _out(res, "PARTIAL"):
+def _check_partial(outs, tmp_path):
+    for out in outs:
         assert out["losses"] and out["params"] and out["opt"], out
         # one part per (pp rank, tp rank)
         assert [f for f in out["files"] if f.startswith(("model", "optimizer"))] == \
@@ -251,6 +243,26 @@ def test_partial_save_at_tp2_resumes_bitwise_and_merges(ranks, tmp_path):
     for i, n in enumerate(names):
         for k, v in torch_opt["state"][i].items():
             assert torch.equal(opt["state"][n][k], v), (n, k)
+
+
+def test_full_and_partial_saves_at_tp2(ranks, tmp_path):
+    # One job (tp_reference.one_job): the full save loading strictly into the
+    # reference, the partial save resuming bitwise (and merged by the CLI below), and,
+    # with transformers installed, a substituted GPT-2's full save loading into the
+    # plain GPT-2.
+    args = (json.dumps({"dir": str(tmp_path)}), HERE)
+    cases = [(FULL, args), (PARTIAL, args)]
+    hf = importlib.util.find_spec("transformers") is not None
+    if hf:
+        cases.append((HF, args))
+    res = ranks(one_job(cases), 2, timeout=120 * len(cases))
+    outs = {tag: [case_outputs(r.stdout, tag)[k] for r in res]
+            for k, tag in enumerate(["FULL", "PARTIAL", "HF"][:len(cases)])}
+    assert all(all(o) for o in outs.values()), [r.stdout for r in res]
+    _check_full(outs["FULL"])
+    _check_partial(outs["PARTIAL"], tmp_path)
+    if hf:
+        _check_hf(outs["HF"])
 
 
 RESHARD = PRELUDE + r"""
@@ -283,13 +295,26 @@ def _reshard(ranks, tmp_path, layouts, steps_per_stage=2):
     pps = [p for _, _, p in layouts]
     steps = [(i * steps_per_stage, (i + 1) * steps_per_stage) for i in range(len(layouts))]
     got_losses, base = [], None
+    # Consecutive stages of one world size run as one job (tp_reference.one_job).
+    groups = []
     for stage in range(len(layouts)):
-        opts = {"dir": str(tmp_path), "tps": tps, "pps": pps, "stage": stage,
-                "stage_index": stage, "steps": steps}
-        if stage == 0:
-            opts["continue"] = steps[-1][1]
-        res = ranks(RESHARD, worlds[stage], args=(json.dumps(opts), HERE), timeout=120)
-        out = _out(res, "RESHARD")[0]
+        if groups and worlds[groups[-1][-1]] == worlds[stage]:
+            groups[-1].append(stage)
+        else:
+            groups.append([stage])
+    outs = []
+    for group in groups:
+        cases = []
+        for stage in group:
+            opts = {"dir": str(tmp_path), "tps": tps, "pps": pps, "stage": stage,
+                    "stage_index": stage, "steps": steps}
+            if stage == 0:
+                opts["continue"] = steps[-1][1]
+            cases.append((RESHARD, (json.dumps(opts), HERE)))
+        res = ranks(one_job(cases), worlds[group[0]], timeout=120 * len(cases))
+        outs += case_outputs(res[0].stdout, "RESHARD")
+    assert len(outs) == len(layouts) and all(outs), outs
+    for stage, out in enumerate(outs):
         if stage == 0:
             base = out
             got_losses += out["losses"][:steps_per_stage]

@@ -10,7 +10,7 @@ rank."""
 import json
 import os
 
-import pytest
+from tp_reference import case_outputs, one_job
 
 TRAIN = r"""
 import json, sys
@@ -105,25 +105,30 @@ print("TRAIN " + json.dumps({"grad_diff": grad_diff, "loss_diff": loss_diff,
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("opts", [
-    {"steps": [2, 5], "divide": False},
-    {"steps": [5, 2], "divide": True, "cfg": {"prescaled_batch": True}},
-], ids=["active-divisor", "prescaled-initial-divisor"])
-def test_a_replica_running_out_early_trains_as_one_process(ranks, opts):
-    for r in ranks(TRAIN, 4, args=(json.dumps(opts), HERE), timeout=120):
-        got = json.loads(r.stdout.split("TRAIN ", 1)[1].splitlines()[0])
-        # The reduced gradients of every step a rank ran, after the other replica
-        # joined too (a wrong divisor would be off by 2x); Adam moves them apart a little.
-        assert got["grad_diff"] < 1e-5, (r.rank, got)
-        assert got["loss_diff"] < 1e-5, (r.rank, got)
-        # After the context every rank holds the last joiner's parameters.
-        assert got["param_diff"] < 1e-4, (r.rank, got)
-
-
-def test_tp_ranks_of_a_replica_running_out_apart_is_refused_on_every_rank(ranks):
-    opts = {"steps": [3, 3], "tp1_short": 1, "divide": True}
-    for r in ranks(TRAIN, 4, args=(json.dumps(opts), HERE), check=False, timeout=120):
+def test_a_replica_running_out_early_trains_as_one_process_and_tp_ranks_apart_are_refused(
+        ranks):
+    # One job (tp_reference.one_job): the active divisor, prescaled_batch with the
+    # initial divisor, then (last: it exits) the tp ranks of a replica running out apart.
+    cases = [{"steps": [2, 5], "divide": False},
+             {"steps": [5, 2], "divide": True, "cfg": {"prescaled_batch": True}},
+             {"steps": [3, 3], "tp1_short": 1, "divide": True}]
+    res = ranks(one_job([(TRAIN, (json.dumps(opts), HERE)) for opts in cases]), 4,
+                check=False, timeout=300)
+    for r in res:
         assert r.returncode == 3, (r.rank, r.stdout, r.stderr[-3000:])
-        text = json.loads(r.stdout.split("ERROR ", 1)[1].splitlines()[0])
+        outs = case_outputs(r.stdout, "TRAIN")
+        assert len(outs) == 3 and outs[2] is None, (r.rank, r.stdout)
+        for opts, got in zip(cases[:2], outs[:2]):
+            assert got is not None, (r.rank, opts, r.stdout, r.stderr[-3000:])
+            # The reduced gradients of every step a rank ran, after the other replica
+            # joined too (a wrong divisor would be off by 2x); Adam moves them apart a
+            # little.
+            assert got["grad_diff"] < 1e-5, (r.rank, opts, got)
+            assert got["loss_diff"] < 1e-5, (r.rank, opts, got)
+            # After the context every rank holds the last joiner's parameters.
+            assert got["param_diff"] < 1e-4, (r.rank, opts, got)
+        # A replica whose tp ranks run out apart: a ConfigError on every rank.
+        text = json.loads(r.stdout.split("\nCASE 2\n", 1)[1].split("ERROR ", 1)[1]
+                          .splitlines()[0])
         assert "'tensor_parallel_degree'=2" in text and "join" in text, text
         assert "same replica" in text, text

@@ -6,7 +6,7 @@ from the same seed, not from a copy: each rank's slice must equal the reference'
 import json
 import os
 
-import pytest
+from tp_reference import case_outputs, one_job
 
 MODULES = r"""
 import json, sys
@@ -113,19 +113,6 @@ print("MODULES " + json.dumps(out), flush=True)
 """
 
 
-@pytest.mark.parametrize("mode", ["own", "prescaled"])
-def test_modules_equal_their_reference_at_tp2(ranks, mode):
-    here = os.path.dirname(os.path.abspath(__file__))
-    res = ranks(MODULES, 2, args=(mode, here), timeout=180)
-    for r in res:
-        got = json.loads(r.stdout.split("MODULES ", 1)[1].splitlines()[0])
-        assert len(got) == 12
-        for name, (wdiff, fdiff, gdiff) in got.items():
-            assert wdiff == 0.0, (name, "weights", wdiff)
-            assert fdiff < 1e-5, (name, "forward", fdiff)
-            assert gdiff < 1e-5, (name, "backward", gdiff)
-
-
 BAD = r"""
 import sys
 import torch
@@ -159,7 +146,27 @@ except smp.ConfigError as e:
 """
 
 
-def test_indivisible_sizes_and_unequal_batches_are_errors_on_every_rank(ranks):
+def test_modules_equal_their_reference_at_tp2_and_bad_inputs_are_errors(ranks):
+    # One job (tp_reference.one_job): each tp rank's own batch, prescaled_batch, then
+    # the bad inputs, and the comm hook refused with slices.
+    here = os.path.dirname(os.path.abspath(__file__))
+    res = ranks(one_job([(MODULES, ("own", here)), (MODULES, ("prescaled", here)),
+                         (BAD, ()), (REFUSED, ())]), 2, check=False, timeout=300)
+    for r in res:
+        assert r.returncode == 3, (r.stdout, r.stderr[-3000:])
+        mods = case_outputs(r.stdout, "MODULES")
+        for got in mods[:2]:
+            assert got is not None and len(got) == 12, r.stdout
+            for name, (wdiff, fdiff, gdiff) in got.items():
+                assert wdiff == 0.0, (name, "weights", wdiff)
+                assert fdiff < 1e-5, (name, "forward", fdiff)
+                assert gdiff < 1e-5, (name, "backward", gdiff)
+        bad = r.stdout.split("\nCASE 2\n", 1)[1].split("\nCASE 3\n", 1)
+        _check_bad(bad[0])
+        _check_refused(bad[1])
+
+
+def _check_bad(stdout):
     needles = {
         "heads": "DistributedAttentionLayer num_attention_heads=3 is not divisible by "
                  "'tensor_parallel_degree'=2",
@@ -171,9 +178,36 @@ def test_indivisible_sizes_and_unequal_batches_are_errors_on_every_rank(ranks):
         "shapes": "the ranks of a tp group bring inputs of different shapes (tp rank 0: "
                   "[2, 8], tp rank 1: [3, 8])",
     }
-    for r in ranks(BAD, 2, timeout=90):
-        for name, needle in needles.items():
-            line = [l for l in r.stdout.splitlines() if l.split()[:2] in (["ERROR", name],
-                                                                        ["NO", "ERROR"])
-                    and name in l.split()[:3]]
-            assert line and line[0].startswith("ERROR") and needle in line[0], (name, r.stdout)
+    for name, needle in needles.items():
+        line = [l for l in stdout.splitlines() if l.split()[:2] in (["ERROR", name],
+                                                                  ["NO", "ERROR"])
+                and name in l.split()[:3]]
+        assert line and line[0].startswith("ERROR") and needle in line[0], (name, stdout)
+
+
+REFUSED = r"""
+import sys
+import torch, torch.nn as nn
+import smp
+from smp.ddp_comm_hooks import DDPCommHookType, register_ddp_comm_hook
+
+smp.init({"ddp": True, "tensor_parallel_degree": 2, "timeout_s": 30})
+net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+net[0].weight._smp_tp_dim = 0
+net[0].weight._smp_tp_full_shape = (8, 4)
+try:
+    model = smp.DistributedModel(net)
+    register_ddp_comm_hook(DDPCommHookType.POWER_SGD, model)
+except smp.ConfigError as e:
+    print("ERROR", e, flush=True)
+    sys.exit(3)
+print("NO ERROR", flush=True)
+"""
+
+
+def _check_refused(stdout):
+    # (moved from test_tp_reduction.py) A comm hook with tp slices is refused on every
+    # rank of the single-rank world of each tp group: dp = tp = 2, rdp = 1.
+    # (Optimizer-state sharding with slices works: test_tp_training.py's tp2xrdp2-sharded.)
+    want = ["comm hook 'powerSGD_hook'", "_smp_tp_dim", "rdp group"]
+    assert all(w in stdout for w in want), stdout

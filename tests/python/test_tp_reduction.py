@@ -4,7 +4,7 @@ smp/grad_norm.py): a Linear sliced by hand (column split, as docs/tensor_paralle
 contract marks it) followed by a replicated Linear trains at tp=2 x rdp=2 as the full
 model in one process, and clip_grad_norm_ returns the one-process norm.
 """
-import json
+from tp_reference import case_outputs, one_job
 
 SLICED = r"""
 import copy, json, sys
@@ -143,11 +143,6 @@ print("TPR " + json.dumps(out), flush=True)
 """
 
 
-def _reports(results):
-    return sorted((json.loads(r.stdout.split("TPR ", 1)[1].splitlines()[0]) for r in results),
-                  key=lambda o: o["rank"])
-
-
 def _check(reps):
     for r in reps:
         assert r["sizes"] == [2, 2, 4], r
@@ -161,43 +156,13 @@ def _check(reps):
 
 
 def test_slices_reduce_over_rdp_and_clip_by_the_whole_norm(ranks):
-    _check(_reports(ranks(SLICED, 4, args=("0",), timeout=120)))
-
-
-def test_slices_with_prescaled_batch(ranks):
-    _check(_reports(ranks(SLICED, 4, args=("1",), timeout=120)))
-
-
-def test_sharded_slices_step_and_clip_by_the_whole_norm(ranks):
-    # Note [Sharded tp slices] (smp/optimizer_sharding.py): each slice stepped by one
-    # rank of its rdp group, each gradient counted once in the norm over the world.
-    _check(_reports(ranks(SLICED, 4, args=("0", "shard"), timeout=120)))
-
-
-REFUSED = r"""
-import sys
-import torch, torch.nn as nn
-import smp
-from smp.ddp_comm_hooks import DDPCommHookType, register_ddp_comm_hook
-
-smp.init({"ddp": True, "tensor_parallel_degree": 2, "timeout_s": 30})
-net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-net[0].weight._smp_tp_dim = 0
-net[0].weight._smp_tp_full_shape = (8, 4)
-try:
-    model = smp.DistributedModel(net)
-    register_ddp_comm_hook(DDPCommHookType.POWER_SGD, model)
-except smp.ConfigError as e:
-    print("ERROR", e, flush=True)
-    sys.exit(3)
-print("NO ERROR", flush=True)
-"""
-
-
-def test_a_comm_hook_with_slices_is_refused_on_every_rank(ranks):
-    # The single-rank world of each tp group: dp = tp = 2, rdp = 1. (Optimizer-state
-    # sharding with slices works: test_tp_training.py's tp2xrdp2-sharded.)
-    want = ["comm hook 'powerSGD_hook'", "_smp_tp_dim", "rdp group"]
-    for r in ranks(REFUSED, 2, check=False, timeout=60):
-        assert r.returncode == 3, (r.stdout, r.stderr[-2000:])
-        assert all(w in r.stdout for w in want), r.stdout
+    # One job (tp_reference.one_job): each dp rank's own batch, prescaled_batch, and
+    # optimizer-state sharding (Note [Sharded tp slices] in smp/optimizer_sharding.py:
+    # each slice stepped by one rank of its rdp group, each gradient counted once in the
+    # norm over the world). (The comm hook refused with slices: test_tp_modules.py.)
+    res = ranks(one_job([(SLICED, ("0",)), (SLICED, ("1",)), (SLICED, ("0", "shard"))]), 4,
+                timeout=240)
+    by_case = list(zip(*(case_outputs(r.stdout, "TPR") for r in res)))
+    assert len(by_case) == 3, [r.stdout for r in res]
+    for reps in by_case:
+        _check(sorted(reps, key=lambda o: o["rank"]))

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from tp_reference import case_outputs, one_job
+
 TRAIN = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
@@ -108,21 +110,32 @@ print("TRAIN " + json.dumps({"losses": losses, "ref": ref_losses, "param_diff": 
 """
 
 
-@pytest.mark.parametrize("world,opts", [
-    (2, {}),
-    (4, {"cfg": {"partitions": 2}}),
-    (8, {"cfg": {"partitions": 2}}),
-    (4, {"cfg": {"prescaled_batch": True, "delayed_parameter_initialization": True},
-         "checkpointing": True}),
-    (2, {"cfg": {"bf16": True}}),
-    (2, {"cfg": {"fp16": True}}),
-    (4, {"cfg": {"shard_optimizer_state": True}}),
-], ids=["tp2", "tp2xpp2", "tp2xpp2xrdp2", "tp2xrdp2-prescaled-checkpointed-deferred",
-        "tp2-bf16", "tp2-fp16", "tp2xrdp2-sharded"])
-def test_lm_head_trains_as_one_process(ranks, world, opts):
+CASES = {  # world size: its cases, run as one job (tp_reference.one_job)
+    2: [("tp2", {}), ("tp2-bf16", {"cfg": {"bf16": True}}),
+        ("tp2-fp16", {"cfg": {"fp16": True}})],
+    4: [("tp2xpp2", {"cfg": {"partitions": 2}}),
+        ("tp2xrdp2-prescaled-checkpointed-deferred",
+         {"cfg": {"prescaled_batch": True, "delayed_parameter_initialization": True},
+          "checkpointing": True}),
+        ("tp2xrdp2-sharded", {"cfg": {"shard_optimizer_state": True}})],
+    8: [("tp2xpp2xrdp2", {"cfg": {"partitions": 2}})],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_lm_head_trains_as_one_process(ranks, world):
     here = os.path.dirname(os.path.abspath(__file__))
-    res = ranks(TRAIN, world, args=(json.dumps(opts), here), timeout=300)
-    reports = [json.loads(r.stdout.split("TRAIN ", 1)[1].splitlines()[0]) for r in res]
+    cases = CASES[world]
+    res = ranks(one_job([(TRAIN, (json.dumps(opts), here)) for _, opts in cases]), world,
+                timeout=300 * len(cases))
+    per_rank = [case_outputs(r.stdout, "TRAIN") for r in res]
+    for k, (name, opts) in enumerate(cases):
+        reports = [outs[k] for outs in per_rank]
+        assert all(reports), (name, [r.stdout for r in res])
+        _check(name, opts, reports)
+
+
+def _check(name, opts, reports):
     if opts.get("cfg", {}).get("shard_optimizer_state"):
         # Note [Sharded tp slices] (smp/optimizer_sharding.py): each rank holds AdamW's
         # two fp32 moments for the parameters it steps only; together the 4 ranks hold
@@ -130,18 +143,18 @@ def test_lm_head_trains_as_one_process(ranks, world, opts):
         # so each holds about (whole + 2 sliced) / 4 instead of whole + sliced.
         whole, sliced = reports[0]["whole"], reports[0]["sliced"]
         for got in reports:
-            assert got["state_bytes"] == 8 * got["stepped"], got
-            assert got["state_bytes"] < 0.6 * 8 * (whole + sliced), (got, whole, sliced)
-        assert sum(g["stepped"] for g in reports) == whole + 2 * sliced, reports
+            assert got["state_bytes"] == 8 * got["stepped"], (name, got)
+            assert got["state_bytes"] < 0.6 * 8 * (whole + sliced), (name, got, whole, sliced)
+        assert sum(g["stepped"] for g in reports) == whole + 2 * sliced, (name, reports)
     for got in reports:
         half = opts.get("cfg", {}).keys() & {"bf16", "fp16"}
         if half:  # against the fp32 reference: half precision's rounding, no more
             for a, b in zip(got["losses"], got["ref"]):
-                assert abs(a - b) < 3e-2 * abs(b), (got["losses"], got["ref"])
+                assert abs(a - b) < 3e-2 * abs(b), (name, got["losses"], got["ref"])
             continue
         for a, b in zip(got["losses"], got["ref"]):
-            assert abs(a - b) < 1e-5, (got["losses"], got["ref"])
-        assert got["grad_diff"] < 1e-6, got["grad_diff"]
+            assert abs(a - b) < 1e-5, (name, got["losses"], got["ref"])
+        assert got["grad_diff"] < 1e-6, (name, got["grad_diff"])
         # Adam divides by each gradient's running magnitude, so summation-order rounding
         # in small gradients grows over 20 steps to a few 1e-5 (key weights, pp > 1).
-        assert got["param_diff"] < 1e-4, (got["param_diff"], got["worst"])
+        assert got["param_diff"] < 1e-4, (name, got["param_diff"], got["worst"])

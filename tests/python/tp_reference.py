@@ -133,3 +133,31 @@ class LMHead(nn.Module):
         loss = F.cross_entropy(logits[..., :-1, :].reshape(-1, logits.shape[-1]),
                                labels[..., 1:].reshape(-1))
         return loss, logits
+
+
+def one_job(cases):
+    """A rank script running each (script, argument list) of `cases` in turn, with
+    smp.shutdown() between: one rank start-up for several cases (each case sets its own
+    seeds and calls smp.init itself; they share __main__'s globals, as smp.step and
+    remote calls look functions up there). A case that exits (sys.exit) ends the job, so a
+    refused case goes last. Each case's output lines follow a "CASE <i>" line."""
+    return ("import sys as _sys\nimport smp as _smp\n"
+            f"_CASES = {[(body, list(argv)) for body, argv in cases]!r}\n"
+            "for _i, (_body, _argv) in enumerate(_CASES):\n"
+            "    print('CASE', _i, flush=True)\n"
+            "    _sys.argv = _sys.argv[:1] + _argv\n"
+            "    exec(compile(_body, '<case %d>' % _i, 'exec'), _sys.modules['__main__'].__dict__)\n"
+            "    _smp.shutdown()\n")
+
+
+def case_outputs(stdout, tag):
+    """The JSON that each case of a one_job script printed after `tag`, in case order
+    (None for a case that printed none)."""
+    import json
+    outs = []
+    for line in stdout.splitlines():
+        if line.startswith("CASE "):
+            outs.append(None)
+        elif outs and outs[-1] is None and tag + " " in line:
+            outs[-1] = json.loads(line.split(tag + " ", 1)[1])
+    return outs

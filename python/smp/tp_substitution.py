@@ -426,7 +426,10 @@ def _build(module, reg, args, kwargs):
     dtype = like.dtype if like is not None else torch.get_default_dtype()
     device = like.device if like is not None and not like.is_meta else None
     deferred = deferred_init.is_deferred(module)
-    copy = reg.values is not None and not deferred
+    # A built-in's values may be None: the module was never initialized (the caller
+    # skipped its library's init), so the distributed module keeps its own.
+    values = reg.values(module) if reg.values is not None and not deferred else None
+    copy = values is not None
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -443,7 +446,7 @@ def _build(module, reg, args, kwargs):
     finally:
         torch.set_default_dtype(before)
     if copy:
-        load_full_state(new, reg.values(module))
+        load_full_state(new, values)
     if device is not None:
         new.to(device)
     if reg.forward_hook is not None:

@@ -261,7 +261,8 @@ class DistributedTransformer(DistributedModule):
 
 class DistributedTransformerLMHead(DistributedModule):
     """SMP's DistributedTransformerLMHead: word and position (and token-type)
-    embeddings, their sum dropped out (hidden_dropout_prob), a DistributedTransformer,
+    embeddings, their sum dropped out (embedding_dropout_prob, smp's addition; None:
+    hidden_dropout_prob), a DistributedTransformer,
     and with add_lm_head a bias-free LM head tied to the word embedding.
 
     forward((input_ids, attention_mask, token_type_ids, position_ids, labels)):
@@ -279,13 +280,18 @@ class DistributedTransformerLMHead(DistributedModule):
                  activation="gelu", layernorm_epsilon=1e-5, num_token_types=0,
                  causal_mask_size=None, add_cross_attention=False, add_lm_head=True,
                  initializer_range=0.02, use_normal_initialization=False,
-                 pre_layernorm=False, post_layernorm=True, **hints):
+                 pre_layernorm=False, post_layernorm=True, embedding_dropout_prob=None,
+                 **hints):
         super().__init__()
         if add_cross_attention:
             raise _C.ConfigError("smp.nn.DistributedTransformerLMHead: add_cross_attention="
                                  "True is not supported (allowed: False)")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.hidden_dropout_prob = hidden_dropout_prob
+        # smp's addition: the embeddings' own dropout (GPT-2's embd_pdrop); None: SMP's
+        # hidden_dropout_prob.
+        self.embedding_dropout_prob = (hidden_dropout_prob if embedding_dropout_prob is None
+                                       else embedding_dropout_prob)
         self.add_lm_head = add_lm_head
         emb = dict(initializer_range=initializer_range, _skip_allgather=True,
                    _skip_scatter_and_merge=True)
@@ -323,7 +329,7 @@ class DistributedTransformerLMHead(DistributedModule):
         if self.num_token_types > 0 and token_type_ids is not None:
             part = part + self.token_type_embedding.local(enter(token_type_ids, what, False))
         hidden = self.word_embedding.merge(part, what)
-        hidden = rows_dropout(hidden, self.hidden_dropout_prob, self.training)
+        hidden = rows_dropout(hidden, self.embedding_dropout_prob, self.training)
         mask = None
         if attention_mask is not None:
             finfo = torch.finfo(hidden.dtype)

@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from smp import nn
+from smp import log, nn
 from smp.nn.huggingface import common
 from smp.tp_substitution import Translation
 
@@ -295,6 +295,16 @@ def _block_return_hook(output):
 
 
 def _lm_head_values(module):
+    """The model's weights by smp's names; None where Hugging Face's initialization
+    never ran (a tied config whose head is not tied: `init_weights`, which ties, was
+    skipped, as AWS's GPT-2 example does expecting SMP to initialize the distributed
+    model): the distributed module then keeps its own, SMP's N(0, initializer_range)."""
+    if (getattr(module.config, "tie_word_embeddings", True)
+            and module.lm_head.weight is not module.transformer.wte.weight):
+        log.get_logger().info("smp: tensor parallelism: %s was not initialized by Hugging "
+                              "Face (its head is not tied); smp initializes it",
+                              type(module).__name__)
+        return None
     return translate_hf_state_dict_to_smdistributed_gpt2(module.state_dict(),
                                                          module.config.n_positions)
 

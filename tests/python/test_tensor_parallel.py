@@ -110,13 +110,27 @@ def _check_spread(reps):
 BAD = r"""
 import json, sys
 import smp
-try:
-    smp.init(json.loads(sys.argv[1]))
-except smp.ConfigError as e:
-    print("ERROR", e, flush=True)
-    sys.exit(3)
-print("NO ERROR", flush=True)
+# Each config in turn, in one job: a refused smp.init leaves nothing to tear down.
+for i, cfg in enumerate(json.loads(sys.argv[1])):
+    try:
+        smp.init(cfg)
+    except smp.ConfigError as e:
+        print("ERROR", i, e, flush=True)
+        continue
+    print("NO ERROR", i, flush=True)
+    smp.shutdown()
 """
+
+
+def _by_config(stdout):
+    got = {}
+    for line in stdout.splitlines():
+        words = line.split()
+        if words[:1] == ["ERROR"]:
+            got[int(words[1])] = line
+        elif words[:2] == ["NO", "ERROR"]:
+            got[int(words[2])] = line
+    return got
 
 
 def test_tp_that_does_not_divide_or_lacks_ddp_is_refused_on_every_rank(ranks):
@@ -125,9 +139,11 @@ def test_tp_that_does_not_divide_or_lacks_ddp_is_refused_on_every_rank(ranks):
               "'partitions'=1 = 2 (allowed: a divisor of 2)"),
              ({"tensor_parallel_degree": 2},
               "config 'ddp'=false is not allowed with 'tensor_parallel_degree'=2")]
-    for cfg, needle in cases:
-        for r in ranks(BAD, 2, args=(json.dumps(cfg),), check=False, timeout=60):
-            assert r.returncode == 3 and needle in r.stdout, (cfg, r.stdout, r.stderr[-2000:])
+    for r in ranks(BAD, 2, args=(json.dumps([c for c, _ in cases]),), timeout=60):
+        got = _by_config(r.stdout)
+        for i, (cfg, needle) in enumerate(cases):
+            assert got.get(i, "").startswith("ERROR") and needle in got[i], \
+                (cfg, r.stdout, r.stderr[-2000:])
 
 
 def test_tp_group_across_hosts_against_cluster_placement_is_refused_on_every_rank(ranks):
@@ -135,11 +151,11 @@ def test_tp_group_across_hosts_against_cluster_placement_is_refused_on_every_ran
     # so "cluster"'s tp group [2, 3] would cross hosts; "spread" asks for that.
     cfg = {"tensor_parallel_degree": 2, "ddp": True}
     env = {"SMP_FAKE_HOSTS": "3"}
-    for r in ranks(BAD, 4, args=(json.dumps(cfg),), check=False, timeout=60, env=env):
-        assert r.returncode == 3, (r.stdout, r.stderr[-2000:])
+    cfgs = [cfg, dict(cfg, placement_strategy="spread")]
+    for r in ranks(BAD, 4, args=(json.dumps(cfgs),), timeout=60, env=env):
+        got = _by_config(r.stdout)
+        assert got.get(0, "").startswith("ERROR"), (r.stdout, r.stderr[-2000:])
         assert ("config 'placement_strategy'='cluster' keeps each tp group on one host, but "
-                "with 'tensor_parallel_degree'=2 tp group [2, 3] spans 2 hosts") in r.stdout
-        assert "'placement_strategy'='spread'" in r.stdout
-    cfg["placement_strategy"] = "spread"
-    for r in ranks(BAD, 4, args=(json.dumps(cfg),), check=False, timeout=60, env=env):
-        assert r.returncode == 0 and "NO ERROR" in r.stdout, (r.stdout, r.stderr[-2000:])
+                "with 'tensor_parallel_degree'=2 tp group [2, 3] spans 2 hosts") in got[0]
+        assert "'placement_strategy'='spread'" in got[0]
+        assert got.get(1, "").startswith("NO ERROR"), (r.stdout, r.stderr[-2000:])

@@ -156,6 +156,13 @@ Plan make_plan(const std::vector<ModuleNode>& nodes, const Options& opts) {
   Plan plan;
   plan.assignment = opts.auto_partition ? auto_assignment(nodes, tree, costs, opts, &plan.cut_depth)
                                         : manual_assignment(nodes, opts);
+  // Note [Blocks stay whole]: a module whose parent computes with its tensors directly
+  // (not by calling it) must live where the parent runs; smp.nn's distributed blocks
+  // mark their parts so (their layer norms, their slices of a linear map, the LM
+  // head's embeddings). Parents precede their children, so a chain resolves in order.
+  for (size_t i = 0; i < nodes.size(); ++i)
+    if (nodes[i].follow_parent && nodes[i].parent >= 0)
+      plan.assignment[i] = plan.assignment[nodes[i].parent];
   plan.node_cost = costs.cost;
   plan.unit = tree.unit;
   plan.unit_order = tree.order;

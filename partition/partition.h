@@ -44,6 +44,10 @@ struct ModuleNode {
   int calls = 0;
   // Partition from the innermost smp.partition(i) around its creation; -1: none.
   int manual_partition = -1;
+  // Placed on its parent's partition whatever the balance says: the parent's forward
+  // uses this module's tensors directly (a tensor-parallel block's slices, Note
+  // [Blocks stay whole] in partition.cpp).
+  bool follow_parent = false;
 };
 
 struct Options {

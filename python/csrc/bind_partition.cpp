@@ -29,7 +29,8 @@ void bind_partition(py::module_& m) {
       .def_readwrite("mem_bytes", &ModuleNode::mem_bytes)
       .def_readwrite("first_call", &ModuleNode::first_call)
       .def_readwrite("calls", &ModuleNode::calls)
-      .def_readwrite("manual_partition", &ModuleNode::manual_partition);
+      .def_readwrite("manual_partition", &ModuleNode::manual_partition)
+      .def_readwrite("follow_parent", &ModuleNode::follow_parent);
   py::class_<Options>(sub, "Options")
       .def(py::init<>())
       .def_readwrite("partitions", &Options::partitions)

@@ -114,8 +114,17 @@ class Trace:
                 param_bytes=sum(t.numel() * t.element_size() for t in direct),
                 activation_bytes=self.activation_bytes[i], time_ms=self.time_ms[i],
                 mem_bytes=self.mem_bytes[i], first_call=self.first_call[i],
-                calls=self.calls[i], manual_partition=manual_partition_of(module)))
+                calls=self.calls[i], manual_partition=manual_partition_of(module),
+                follow_parent=parent >= 0 and _pinned(self.table[parent][1], name)))
         return records
+
+
+def _pinned(parent, name):
+    """Whether `parent`'s forward uses the child `name`'s tensors directly, so the child
+    must be on its partition (Note [Blocks stay whole] in partition/partition.cpp): a
+    module's `_smp_pinned_children` is True (all) or the children's names."""
+    pinned = getattr(parent, "_smp_pinned_children", False)
+    return pinned is True or (isinstance(pinned, tuple) and name.rsplit(".", 1)[-1] in pinned)
 
 
 def to_module_nodes(records):

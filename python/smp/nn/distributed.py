@@ -62,6 +62,36 @@ def enter(x, what, check=None):
     return _C.tp_enter(x, check, what)
 
 
+def enter_mask(mask, rows, s_q, s_k, dtype, device, what):
+    """The tp group's attention masks, gathered like `enter` gathers a batch, as additive
+    masks of one shape. A rank may hold none where another holds one: Hugging Face
+    drops a mask of all ones, which depends on each rank's own rows. So the ranks first
+    gather what each holds (a tiny tensor), then each brings its mask, or zeros, as
+    [rows, 1, q, s_k] (q: 1, or s_q if any rank's mask varies by query); a bool mask
+    (True: attend) becomes 0 / the dtype's minimum. Returns None if no rank has one.
+    With prescaled_batch (one batch) or tp = 1 the mask is returned as it is."""
+    size, _, prescaled = tp_group()
+    if size == 1 or prescaled:
+        return mask
+    by_query = mask is not None and mask.dim() >= 2 and mask.shape[-2] != 1
+    held = torch.tensor([[0 if mask is None else 1, s_q if by_query else 1]], dtype=torch.long,
+                        device=device)
+    held = _C.tp_enter(held, False, what + " (which ranks hold a mask)").cpu()
+    if not bool(held[:, 0].any()):
+        return None
+    q = int(held[:, 1].max())
+    if mask is None:
+        mask = torch.zeros(rows, 1, q, s_k, dtype=dtype, device=device)
+    else:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dtype).min)
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        mask = mask.to(dtype).expand(rows, 1, q, s_k).contiguous()
+    return _C.tp_enter(mask, False, what)
+
+
 def leave(y, what):
     """Each rank's summand of a block's output summed over the tp group: this rank's
     rows of it (each rank its own batch) or all of it (prescaled_batch)."""
@@ -102,7 +132,14 @@ class DistributedModule(torch.nn.Module):
     `load_state_dict` takes either this rank's slices or the full tensors (of
     `_smp_tp_full_shape`), which it cuts: a full state dict of the reference module
     (translated to these names) loads into every tp rank.
+
+    Its children stay on its pipeline partition (`_smp_pinned_children`, Note [Blocks
+    stay whole] in partition/partition.cpp): its forward uses their tensors directly.
+    A container of blocks (a layer, the stack) pins none, or only the children it
+    reaches into.
     """
+
+    _smp_pinned_children = True
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):

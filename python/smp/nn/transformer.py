@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import smp._C as _C
 from smp.nn.layer_norm import FusedLayerNorm
 from smp.nn.distributed import (CutLinear, DistributedEmbedding, DistributedModule,
-                                dropout, outermost, enter, leave, rows_dropout,
+                                dropout, outermost, enter, enter_mask, leave, rows_dropout,
                                 tp_group)
 
 __all__ = []
@@ -105,10 +105,9 @@ class DistributedAttentionLayer(DistributedModule):
             what = "DistributedAttentionLayer"
             x = enter(norm, what)
             kv = x if cross_states is None else enter(cross_states, what, False)
-            mask = attention_mask
-            if mask is not None and mask.dim() > 0 and mask.shape[0] == hidden_states.shape[0] \
-                    and mask.shape[0] != x.shape[0]:
-                mask = enter(mask, what + " (attention_mask)", False)
+            mask = enter_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1],
+                              kv.shape[1], x.dtype, x.device,
+                              what + " (attention_mask)")
             q = self._heads(self.query(x))
             k = self._heads(self.key(kv))
             v = self._heads(self.value(kv))
@@ -184,6 +183,8 @@ class DistributedTransformerLayer(DistributedModule):
     attention_mask)) returns (hidden_states, attention_mask); with cross attention
     ((hidden_states, cross_states, attention_mask, cross_mask)) returns the 4-tuple."""
 
+    _smp_pinned_children = False  # it only calls its blocks
+
     def __init__(self, num_attention_heads=32, attention_head_size=32, hidden_size=1024,
                  intermediate_size=4096, attention_dropout_prob=0.1, hidden_dropout_prob=0.1,
                  activation="gelu", layernorm_epsilon=1e-5, initializer_range=0.02,
@@ -225,6 +226,8 @@ class DistributedTransformer(DistributedModule):
     """SMP's DistributedTransformer: `num_layers` DistributedTransformerLayers in
     `seq_layers` (an nn.Sequential). With both pre_layernorm and post_layernorm the
     layers are pre-LN and `layernorm` normalizes the stack's output (GPT-2's ln_f)."""
+
+    _smp_pinned_children = False  # it only calls its layers and its layer norm
 
     def __init__(self, num_layers=12, num_attention_heads=32, attention_head_size=32,
                  hidden_size=1024, intermediate_size=4096, attention_dropout_prob=0.1,
@@ -273,6 +276,9 @@ class DistributedTransformerLMHead(DistributedModule):
     as Hugging Face's causal LM heads compute it. Without add_lm_head: the hidden
     states.
     """
+
+    # It computes with its embeddings' slices directly; the stack may be split.
+    _smp_pinned_children = ("word_embedding", "position_embedding", "token_type_embedding")
 
     def __init__(self, num_layers=12, num_attention_heads=32, attention_head_size=32,
                  hidden_size=1024, intermediate_size=4096, vocab_size=30522,

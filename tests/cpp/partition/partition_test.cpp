@@ -427,5 +427,26 @@ TEST(Partition, TableAndUnitDescriptions) {
   EXPECT_EQ(units[1], "unit 1: 1 (1 module, first call 2, 1 call, params 1.5 MiB)");
 }
 
+// Note [Blocks stay whole]: a part whose parent uses its tensors directly follows the
+// parent, wherever the balance would have cut; its own parts follow it in turn.
+TEST(Partition, FollowParentKeepsABlockWhole) {
+  TreeBuilder b;
+  const int block = b.add(0, "block");
+  const int dense = b.add(block, "dense", kMiB);
+  b.add(dense, "inner", kMiB);
+  b.add(block, "norm", kMiB);
+  b.add(0, "tail", kMiB);
+  auto nodes = b.build();
+  const Plan free_plan = make_plan(nodes, opts(2));
+  EXPECT_NE(part(free_plan, nodes, "block.dense"), part(free_plan, nodes, "block.norm"));
+  for (const char* n : {"block.dense", "block.dense.inner", "block.norm"})
+    nodes[index_of(nodes, n)].follow_parent = true;
+  const Plan p = make_plan(nodes, opts(2));
+  const int where = part(p, nodes, "block");
+  for (const char* n : {"block.dense", "block.dense.inner", "block.norm"})
+    EXPECT_EQ(part(p, nodes, n), where) << n;
+  EXPECT_NE(p.hash, free_plan.hash);
+}
+
 }  // namespace
 }  // namespace smp::partition

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as clip_grad
 
-from smp.groups import get_mp_process_group, get_world_process_group
+from smp.groups import gradient_span_group
 from smp.process_state import is_initialized, state
-from smp.ranks import pp_size, tp_rank, tp_size
+from smp.ranks import tp_rank, tp_size
 
 __all__ = []
 
@@ -134,8 +134,7 @@ def global_norm(model, params, norm_type=2.0, local=_torch_local, grad_of=None):
     grads = [grad_of(p).detach() for p in counted(model, params, grad_of)]
     total = local(grads, norm_type).to(device)
     # Note [Norm over tp slices]: the mp group is the pp group when tp = 1.
-    group = (get_world_process_group() if model.replica.shard is not None
-             else get_mp_process_group() if pp_size() > 1 or tp_size() > 1 else None)
+    group = gradient_span_group(model.replica.shard is not None)
     if group is not None:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         total = total.float() if total.dtype not in (torch.float32, torch.float64) else total
@@ -151,7 +150,7 @@ def spanning_model():
     model = getattr(state, "model", None)
     if model is None or not model.partitioned:
         return None
-    if pp_size() == 1 and tp_size() == 1 and model.replica.shard is None:
+    if gradient_span_group(model.replica.shard is not None) is None:
         return None
     return model
 

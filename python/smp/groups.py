@@ -171,3 +171,18 @@ def get_rdp_process_group():
 def get_mp_process_group():
     require_init()
     return state.groups["mp"]
+
+
+def gradient_span_group(sharded):
+    """The group whose ranks together hold one replica's gradients, so a fact about
+    them (the global norm's sum, the fp16 overflow flag) is combined over it: the world
+    with sharded optimizer state (each rank keeps a share), the mp group (pp x tp) when
+    a replica spans partitions or tp slices (the pp group when tp = 1), else None (this
+    rank holds them all; dp replicas hold equal gradients after the reduction)."""
+    require_init()
+    if sharded:
+        return state.groups["world"]
+    topo = state.topology
+    if topo.pp_size > 1 or topo.tp_size > 1:
+        return state.groups["mp"]
+    return None

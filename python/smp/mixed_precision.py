@@ -37,9 +37,8 @@ import torch
 
 import smp._C as _C
 from smp import process_state
-from smp.groups import get_mp_process_group, get_pp_process_group, get_world_process_group
+from smp.groups import gradient_span_group
 from smp.nested import map_leaves
-from smp.ranks import pp_size, tp_size
 
 __all__ = []
 
@@ -203,16 +202,9 @@ def overflow_check(model):
         return None
     if _OVERFLOW["model"] is not model:
         params = list(model.local_parameters())
-        if model.replica.shard is not None:  # Note [Sharded optimizer state]
-            group = get_world_process_group()
-        elif tp_size() > 1:
-            # A tp rank holds its own slices' gradients: an overflow in one rank's
-            # slice must skip the step on every rank of the replica (pp x tp).
-            group = get_mp_process_group()
-        elif pp_size() > 1:
-            group = get_pp_process_group()
-        else:
-            group = None  # dp replicas hold equal gradients
+        # Note [Sharded optimizer state]; under tp an overflow in one rank's slice must
+        # skip the step on every rank of the replica.
+        group = gradient_span_group(model.replica.shard is not None)
         _OVERFLOW["check"] = _C.OverflowCheck(params, group, process_state.state.cfg.timeout_s)
         _OVERFLOW["model"] = model
     return _OVERFLOW["check"]

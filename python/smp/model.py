@@ -23,7 +23,7 @@ from smp._C import ConfigError
 from smp.ddp_comm_hooks._groups import resolve_hook_state
 from smp.groups import get_dp_process_group
 from smp.model_pipeline import PipelinePart
-from smp.model_state import COMPILED, ModelStateMixin, canonical_key
+from smp.model_state import COMPILED, ModelStateMixin, canonical_key, former_keys
 from smp.model_views import LocalViewsMixin
 from smp.ranks import dp_size, pp_rank, pp_size, size, tp_size
 from smp.replica import Replica
@@ -144,6 +144,7 @@ class DistributedModel(LocalViewsMixin, ModelStateMixin, torch.nn.Module, _join.
         # Note [Substitution] (smp/tp_substitution.py): the distributed modules replace
         # the tp-enabled registered ones before anything reads the model.
         module = tp_substitution.substitute(module)
+        self._former_keys = former_keys(module)  # names saves of older smp used
         lazy = deferred_init.lazy_modules(module)
         if lazy:
             raise ValueError(f"smp.DistributedModel: modules {lazy} are torch lazy modules, "

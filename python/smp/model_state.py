@@ -44,6 +44,37 @@ def canonical_key(key):
     return ".".join(p for p in key.split(".") if p != COMPILED)
 
 
+def former_keys(module):
+    """{former state key: key} of the modules in `module` that renamed their state: a
+    class's `_smp_former_names` {old name: name} (smp.nn.DistributedLinear held its
+    `weight`/`bias` as `linear.weight`/`linear.bias` before), so that a checkpoint
+    written under the old names still loads. Keys are canonical (Note [Compiled
+    names])."""
+    out = {}
+    for prefix, m in module.named_modules():
+        names = getattr(type(m), "_smp_former_names", None)
+        if not names:
+            continue
+        p = canonical_key(prefix) + "." if prefix else ""
+        for old, new in names.items():
+            out[p + old] = p + new
+    return out
+
+
+def renamed(keys, former):
+    """{key: the key it loads as}: a former key (see former_keys) becomes the current
+    one unless `keys` holds that one too."""
+    if not former:
+        return {}
+    have = {canonical_key(k) for k in keys}
+    out = {}
+    for k in keys:
+        new = former.get(canonical_key(k))
+        if new is not None and new not in have:
+            out[k] = new
+    return out
+
+
 def exchange(have, needed, group=None):
     """Gives every rank of `group` (the pp group by default) the entries it needs that
     other ranks hold.
@@ -154,7 +185,7 @@ def full_of_parts(parts):
 class ModelStateMixin:
     """`local_state_dict`, `state_dict`, `load_state_dict` and the hooks of
     DistributedModel. Uses the model's `_owner`, `_state_tensors`, `_state_shapes`,
-    `_pending_state`, `_deferred`."""
+    `_pending_state`, `_deferred`, `_former_keys` (former_keys of the module)."""
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -345,7 +376,11 @@ class ModelStateMixin:
         # A state read by entry (resume_from_checkpoint): its tensors are verified when
         # kept (Note [Reads by entry] in checkpoint/mapped.cpp).
         entries = getattr(state_dict, "smp_entries", None)
-        sd = self._to_model_keys(self._from_hf(dict(state_dict)))
+        sd = dict(state_dict)
+        names = renamed(sd, self._former_keys)  # a save under former names (former_keys)
+        if names:
+            sd = {names.get(k, k): v for k, v in sd.items()}
+        sd = self._to_model_keys(self._from_hf(sd))
         partial = bool(sd.pop(PARTIAL_KEY, False))
         sd.pop(tp_state.TP_KEY, None)  # slices: their shapes say (Note [Slices in checkpoints])
         if self._owner is None and (pp_size() > 1 or self._deferred):

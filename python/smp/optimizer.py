@@ -67,6 +67,18 @@ def _to_names(self, sd, full=False):
     return _with_scaler({"state": state, "param_groups": groups}, sd)
 
 
+def _renamed(sd, former):
+    """A by-name state dict with its former parameter names made current
+    (model_state.former_keys)."""
+    names = model_state.renamed(list(sd["state"]) + [n for g in sd["param_groups"]
+                                                    for n in g["params"]], former)
+    if not names:
+        return sd
+    return dict(sd, state={names.get(n, n): s for n, s in sd["state"].items()},
+                param_groups=[dict(g, params=[names.get(n, n) for n in g["params"]])
+                              for g in sd["param_groups"]])
+
+
 def _with_scaler(out, sd):
     """`out` with `sd`'s loss scaler state (Note [Master weights]), which is the same
     on every rank."""
@@ -177,6 +189,8 @@ def _load_state_dict(self, state_dict):
     sd.pop(tp_state.TP_KEY, None)  # slices: their shapes say (Note [Slices in checkpoints])
     if not sd.pop(_BY_NAME, False):  # torch's positions: over every parameter
         sd = _to_names(self, sd, full=True)
+    else:  # a save under former names (model_state.former_keys)
+        sd = _renamed(sd, getattr(model, "_former_keys", None))
     names = _param_names(self)
     params = [p for g in self.param_groups for p in g["params"]]
     local = _local_ids()

@@ -5,7 +5,8 @@ tests/python/tp_reference.py, and a substituted Hugging Face GPT-2's into the pl
 GPT-2); a partial save at tp=2 resumes bitwise; a save at tp=2 resumes at tp=1 and one
 at tp=1 at tp=2 (Adam's state sliced like its parameters), and training goes on as
 without resharding (1e-6); pp x tp changes reshard too; `python -m smp.checkpoint
-merge` concatenates the slices."""
+merge` concatenates the slices. A substituted nn.Linear keeps nn.Linear's names, and
+saves under smp's former names (linear.weight) still load."""
 import importlib.util
 import json
 import os
@@ -245,22 +246,123 @@ def _check_partial(outs, tmp_path):
             assert torch.equal(opt["state"][n][k], v), (n, k)
 
 
+LINEAR = PRELUDE + r"""
+# nn.Linear substituted by DistributedLinear keeps nn.Linear's names (weight, bias) in
+# state dicts, checkpoints and the optimizer's state; names smp used before
+# (linear.weight, linear.bias) still load.
+smp.init({"ddp": True, "tensor_parallel_degree": 2, "timeout_s": 60})
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+
+
+plain = net()
+with smp.tensor_parallelism():
+    sub = net()
+model = smp.DistributedModel(sub)
+opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+out = {"types": [type(m).__name__ for m in model.get_module()]}
+want = plain.state_dict()
+full = model.state_dict()
+out["keys"] = list(full) == list(want)
+fresh = net()
+fresh.load_state_dict(full, strict=True)
+out["values"] = all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+special = {"_smp_is_partial", "_smp_tp"}
+local = model.local_state_dict()
+out["local_keys"] = sorted(k for k in local if k not in special) == sorted(want)
+out["table"] = sorted(local["_smp_tp"]["slices"])
+out["params"] = [n for n, _ in model.named_parameters()]
+
+
+@smp.step
+def step(x):
+    loss = model(x).pow(2).mean()
+    model.backward(loss)
+    return loss
+
+
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+step(x[2 * smp.dp_rank():2 * smp.dp_rank() + 2])
+opt.step()
+opt.zero_grad()
+osd = opt.local_state_dict()
+out["opt_keys"] = sorted(osd["state"]) == sorted(n for n, _ in plain.named_parameters())
+smp.save_checkpoint(D, "lin", partial=False)
+smp.save_checkpoint(D, "lin", partial=True)
+if smp.rank() == 0:
+    saved = torch.load(os.path.join(D, "lin"))
+    out["saved_keys"] = list(saved) == list(want)
+    net().load_state_dict(saved, strict=True)
+
+# A checkpoint written before the rename: the same files under the old names.
+old = lambda n: n.replace("weight", "linear.weight").replace("bias", "linear.bias")
+o_local = {old(k): v for k, v in local.items() if k not in special}
+o_local["_smp_is_partial"] = False
+o_local["_smp_tp"] = dict(local["_smp_tp"], slices={old(k): v for k, v in
+                                                    local["_smp_tp"]["slices"].items()})
+o_opt = dict(osd, state={old(k): v for k, v in osd["state"].items()},
+             param_groups=[dict(g, params=[old(n) for n in g["params"]])
+                           for g in osd["param_groups"]])
+o_opt["_smp_tp"] = dict(osd["_smp_tp"], slices={old(k): v for k, v in
+                                                osd["_smp_tp"]["slices"].items()})
+d = os.path.join(D, "lin_partial")
+smp.save(o_local, os.path.join(d, "model"), partial=True)
+smp.save(o_opt, os.path.join(d, "optimizer"), partial=True)
+before = {k: v.clone() for k, v in model.local_state_dict().items() if k not in special}
+opt_before = opt.state_dict()
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+opt.state.clear()
+smp.resume_from_checkpoint(D, "lin", partial=True)
+after = model.local_state_dict()
+opt_after = opt.state_dict()
+out["old_partial"] = all(torch.equal(after[k], v) for k, v in before.items()) and all(
+    torch.equal(opt_after["state"][i][k], v) for i, s in opt_before["state"].items()
+    for k, v in s.items())
+# ... and a full one (a plain torch.save of the full dict)
+if smp.rank() == 0:
+    torch.save({old(k): v for k, v in full.items()}, os.path.join(D, "lin_old"))
+smp.barrier()
+with torch.no_grad():
+    for p in model.parameters():
+        p.zero_()
+smp.resume_from_checkpoint(D, "lin_old", partial=False, load_optimizer=False)
+out["old_full"] = all(torch.equal(model.state_dict()[k], v) for k, v in full.items())
+emit("LINEAR", out)
+"""
+
+
+def _check_linear(outs):
+    for out in outs:
+        assert out["types"] == ["DistributedLinear", "ReLU", "DistributedLinear"], out
+        assert out["keys"] and out["values"] and out["local_keys"] and out["opt_keys"], out
+        assert out["table"] == ["0.weight", "2.weight"], out
+        assert out["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"], out
+        assert out["old_partial"] and out["old_full"], out
+    assert outs[0]["saved_keys"], outs[0]
+
+
 def test_full_and_partial_saves_at_tp2(ranks, tmp_path):
     # One job (tp_reference.one_job): the full save loading strictly into the
     # reference, the partial save resuming bitwise (and merged by the CLI below), and,
     # with transformers installed, a substituted GPT-2's full save loading into the
     # plain GPT-2.
     args = (json.dumps({"dir": str(tmp_path)}), HERE)
-    cases = [(FULL, args), (PARTIAL, args)]
+    cases = [(FULL, args), (PARTIAL, args), (LINEAR, args)]
     hf = importlib.util.find_spec("transformers") is not None
     if hf:
         cases.append((HF, args))
     res = ranks(one_job(cases), 2, timeout=120 * len(cases))
     outs = {tag: [case_outputs(r.stdout, tag)[k] for r in res]
-            for k, tag in enumerate(["FULL", "PARTIAL", "HF"][:len(cases)])}
+            for k, tag in enumerate(["FULL", "PARTIAL", "LINEAR", "HF"][:len(cases)])}
     assert all(all(o) for o in outs.values()), [r.stdout for r in res]
     _check_full(outs["FULL"])
     _check_partial(outs["PARTIAL"], tmp_path)
+    _check_linear(outs["LINEAR"])
     if hf:
         _check_hf(outs["HF"])
 

@@ -38,8 +38,7 @@ def check(name, make_dist, make_ref, inputs, grad_of=(0,), out_index=None):
     rp = dict(r.named_parameters())
     wdiff = 0.0
     for n, p in d.named_parameters():
-        key = n.replace("linear.", "")
-        full = rp[key]
+        full = rp[n]  # the reference's names
         if hasattr(p, "_smp_tp_dim"):
             start, length = p._smp_tp_slice
             full = full.narrow(p._smp_tp_dim, start, length)
@@ -64,7 +63,7 @@ def check(name, make_dist, make_ref, inputs, grad_of=(0,), out_index=None):
     for i in grad_of:
         gdiff = max(gdiff, (xs_d[i].grad - rows(xs_r[i].grad)).abs().max().item())
     for n, p in d.named_parameters():
-        full = rp[n.replace("linear.", "")].grad
+        full = rp[n].grad
         grad = p.grad
         if hasattr(p, "_smp_tp_dim"):
             start, length = p._smp_tp_slice

@@ -26,7 +26,7 @@ def _register_torch(registry, register_fn, Registration):
     if torch.nn.Linear not in registry:
         register_fn(Registration(
             torch.nn.Linear, DistributedLinear, _linear_init_hook, None, None,
-            values=lambda m: {"linear." + k: v for k, v in m.state_dict().items()},
+            values=lambda m: dict(m.state_dict()),
             recover_args=lambda m: ((m.in_features, m.out_features),
                                     {"bias": m.bias is not None}),
             builtin=True))

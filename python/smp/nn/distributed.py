@@ -207,43 +207,39 @@ class CutLinear(DistributedModule):
                 f"cut={self.cut}, local_weight={tuple(self.weight.shape)}")
 
 
-class DistributedLinear(DistributedModule):
+class DistributedLinear(CutLinear):
     """nn.Linear(in_features, out_features) cut across the tp group by input features
     (a row cut): rank t keeps columns [t*in/tp, (t+1)*in/tp) of the weight; the bias
     is replicated and added once. `in_features` and `out_features` are the global
     sizes, as in SMP; `in_features` must be divisible by tensor_parallel_degree.
 
+    It holds `weight` and `bias` itself, so a substituted nn.Linear keeps its names in
+    state dicts, checkpoints and the optimizer's state. Before, they were a child's
+    (`linear.weight`, `linear.bias`): `_smp_former_names` lets such a checkpoint load
+    (smp.model_state.former_keys).
+
     Forward takes and returns what nn.Linear does (each rank its own batch, or the
     group's one batch with prescaled_batch); one collective each way.
     """
 
+    _smp_former_names = {"linear.weight": "weight", "linear.bias": "bias"}
+
     def __init__(self, in_features, out_features, bias=True, **_hints):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.linear = CutLinear(in_features, out_features, bias, "row",
-                                "DistributedLinear in_features")
-
-    @property
-    def weight(self):
-        return self.linear.weight
-
-    @property
-    def bias(self):
-        return self.linear.bias
+        super().__init__(in_features, out_features, bias, "row", "DistributedLinear in_features")
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
-        # Accepts nn.Linear's names (weight, bias) as well as its own (linear.*).
-        for name in ("weight", "bias"):
-            if prefix + name in state_dict:
-                state_dict[prefix + "linear." + name] = state_dict.pop(prefix + name)
+        # (a load into this module itself; smp.DistributedModel renames for the model)
+        for old, new in self._smp_former_names.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x):
         with outermost():
             full = enter(x, "DistributedLinear")
-            _, start, length = self.linear.slice
-            part = self.linear(full.narrow(-1, start, length))
-            return self.linear.add_bias(leave(part, "DistributedLinear"))
+            _, start, length = self.slice
+            part = F.linear(full.narrow(-1, start, length), self.weight)
+            return self.add_bias(leave(part, "DistributedLinear"))
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}"

@@ -6,7 +6,9 @@ GPT-2); a partial save at tp=2 resumes bitwise; a save at tp=2 resumes at tp=1 a
 at tp=1 at tp=2 (Adam's state sliced like its parameters), and training goes on as
 without resharding (1e-6); pp x tp changes reshard too; `python -m smp.checkpoint
 merge` concatenates the slices. A substituted nn.Linear keeps nn.Linear's names, and
-saves under smp's former names (linear.weight) still load."""
+saves under smp's former names (linear.weight) still load. A sharded optimizer
+(shard_optimizer_state) at tp=2 x rdp=2: a partial save resumes bitwise, a full one at
+tp=1 and back at tp=2 (1e-6, optimizer state included)."""
 import importlib.util
 import json
 import os
@@ -34,9 +36,9 @@ KW = dict(num_layers=2, num_attention_heads=4, attention_head_size=4, hidden_siz
           pre_layernorm=True, post_layernorm=True)
 
 
-def start(tp, seed=0, pp=1):
+def start(tp, seed=0, pp=1, shard=False):
     smp.init({"ddp": True, "tensor_parallel_degree": tp, "partitions": pp,
-              "microbatches": pp, "timeout_s": 60})
+              "microbatches": pp, "shard_optimizer_state": shard, "timeout_s": 60})
     torch.manual_seed(seed)
     model = smp.DistributedModel(smp.nn.DistributedTransformerLMHead(**KW))
     if pp > 1:
@@ -51,10 +53,10 @@ def start(tp, seed=0, pp=1):
         return loss
 
     def train(i):
-        # the world's batch is 2N rows whatever the layout: dp is 2 in every job here
+        # the world's batch is 2N rows whatever the layout, split over the dp group
         ids = batch(i)
-        me = smp.dp_rank()
-        out = step(ids[N * me:N * (me + 1)])
+        me, n = smp.dp_rank(), 2 * N // smp.dp_size()
+        out = step(ids[n * me:n * (me + 1)])
         opt.step()
         opt.zero_grad()
         loss = out.reduce_mean().detach().clone()
@@ -388,10 +390,12 @@ emit("RESHARD", {"losses": losses, "state": {k: v.flatten().tolist() for k, v in
 """
 
 
-def _reshard(ranks, tmp_path, layouts, steps_per_stage=2):
+def _reshard(ranks, tmp_path, layouts, steps_per_stage=2, extra=None):
     """Stage i runs layout (world, tp, pp) i, resuming the previous stage's partial
-    save; the first stage also runs on to the end unresharded. Returns (resharded
-    losses and final state, unresharded ones)."""
+    save; the first stage also runs on to the end unresharded. `extra` {world: [case
+    script]}: more cases for the job of that world, after its stages (given the
+    job's options). Returns (resharded losses and final state, unresharded ones)."""
+    extra = dict(extra or {})
     worlds = [w for w, _, _ in layouts]
     tps = [t for _, t, _ in layouts]
     pps = [p for _, _, p in layouts]
@@ -413,8 +417,12 @@ def _reshard(ranks, tmp_path, layouts, steps_per_stage=2):
             if stage == 0:
                 opts["continue"] = steps[-1][1]
             cases.append((RESHARD, (json.dumps(opts), HERE)))
+        more = extra.pop(worlds[group[0]], [])
+        cases += [(script, (json.dumps({"dir": str(tmp_path)}), HERE)) for script in more]
         res = ranks(one_job(cases), worlds[group[0]], timeout=120 * len(cases))
-        outs += case_outputs(res[0].stdout, "RESHARD")
+        outs += case_outputs(res[0].stdout, "RESHARD")[:len(group)]
+        for r in res:
+            assert r.stdout.count("\nSHARDED ok") == len(more), (r.stdout, r.stderr[-3000:])
     assert len(outs) == len(layouts) and all(outs), outs
     for stage, out in enumerate(outs):
         if stage == 0:
@@ -444,5 +452,94 @@ def test_tp2_to_tp1_to_tp2_continues_as_without_resharding(ranks, tmp_path):
     _close(*_reshard(ranks, tmp_path, [(2, 2, 1), (2, 1, 1), (2, 2, 1)]))
 
 
+SHARDED_TP2 = PRELUDE + r"""
+# shard_optimizer_state at tp=2 x rdp=2 (Note [Sharded tp slices]): a partial save
+# resumes bitwise; a full save is resumed at tp=1 by SHARDED_TP1.
+model, opt, train = start(2, shard=True)
+assert smp.rdp_size() == 2
+for i in range(2):
+    train(i)
+smp.save_checkpoint(D, "sh", partial=True)
+smp.save_checkpoint(D, "sh_full", partial=False)
+a_losses = [train(i) for i in range(2, 4)]
+a = {k: v.detach().clone() for k, v in model.local_named_parameters()}
+a_opt = opt.state_dict()  # full
+a_full = model.state_dict()
+smp.shutdown()
+
+model, opt, train = start(2, seed=1, shard=True)
+smp.resume_from_checkpoint(D, "sh", partial=True)
+b_losses = [train(i) for i in range(2, 4)]
+b = {k: v.detach().clone() for k, v in model.local_named_parameters()}
+b_opt = opt.state_dict()
+assert a_losses == b_losses, (a_losses, b_losses)
+assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ after the resume"
+assert sorted(a_opt["state"]) == sorted(b_opt["state"])
+for i, st in a_opt["state"].items():
+    for k, v in st.items():
+        assert torch.equal(v, b_opt["state"][i][k]), ("optimizer state", i, k)
+if smp.rank() == 0:
+    names = [n for n, _ in model.get_module().named_parameters()]
+    torch.save({"losses": a_losses, "state": a_full, "names": names,
+                "opt": a_opt["state"]}, os.path.join(D, "sh_want.pt"))
+print("SHARDED ok", flush=True)
+"""
+
+SHARDED_TP1 = PRELUDE + r"""
+# SHARDED_TP2's full save resumed at tp=1 x rdp=2 (sharded): training goes on as
+# without resharding; its own full save resumed at tp=2 x rdp=1 goes on as it does.
+model, opt, train = start(1, seed=2, shard=True)
+smp.resume_from_checkpoint(D, "sh_full", partial=False)
+losses = [train(i) for i in range(2, 4)]
+# (copies: at tp=1 the state dict's tensors are the parameters, which train on)
+state = {k: v.clone() for k, v in model.state_dict().items()}
+opt_state = opt.state_dict()["state"]
+smp.save_checkpoint(D, "sh1_full", partial=False)
+cont = [train(i) for i in range(4, 6)]
+cont_state, cont_opt = model.state_dict(), opt.state_dict()["state"]
+if smp.rank() == 0:
+    torch.save({"losses": losses, "state": state, "opt": opt_state},
+               os.path.join(D, "sh_tp1.pt"))
+smp.shutdown()
+
+model, opt, train = start(2, seed=3, shard=True)
+smp.resume_from_checkpoint(D, "sh1_full", partial=False)
+back = [train(i) for i in range(4, 6)]
+back_state, back_opt = model.state_dict(), opt.state_dict()["state"]  # collective
+if smp.rank() == 0:
+    torch.save({"losses": cont, "state": cont_state, "opt": cont_opt, "back": back,
+                "back_state": back_state, "back_opt": back_opt},
+               os.path.join(D, "sh_back.pt"))
+print("SHARDED ok", flush=True)
+"""
+
+
+def _close_sharded(got, want, names):
+    """Losses, parameters (but attention.key.bias, see _close) and optimizer state
+    within 1e-6."""
+    assert len(got["losses"]) == len(want["losses"])
+    for a, b in zip(got["losses"], want["losses"]):
+        assert abs(a - b) < 1e-6, (got["losses"], want["losses"])
+    assert sorted(got["state"]) == sorted(want["state"])
+    for k, v in want["state"].items():
+        if not k.endswith("attention.key.bias"):
+            assert (got["state"][k] - v).abs().max().item() < 1e-6, k
+    assert sorted(got["opt"]) == sorted(want["opt"]) == list(range(len(names)))
+    for i, st in want["opt"].items():
+        assert sorted(got["opt"][i]) == sorted(st), names[i]
+        for k, v in st.items():
+            d = (got["opt"][i][k].float() - v.float()).abs().max().item()
+            assert d < 1e-6, (names[i], k, d)
+
+
 def test_tp2_pp2_to_tp1_pp1_reshards(ranks, tmp_path):
-    _close(*_reshard(ranks, tmp_path, [(4, 2, 2), (2, 1, 1)]))
+    # The same two launches (4 ranks, then 2) also run a sharded optimizer's saves:
+    # tp=2 x rdp=2 partial and full, resumed at tp=2 x rdp=2 and at tp=1, and back.
+    _close(*_reshard(ranks, tmp_path, [(4, 2, 2), (2, 1, 1)],
+                     extra={4: [SHARDED_TP2], 2: [SHARDED_TP1]}))
+    want = torch.load(tmp_path / "sh_want.pt")
+    tp1 = torch.load(tmp_path / "sh_tp1.pt")
+    _close_sharded(tp1, want, want["names"])
+    back = torch.load(tmp_path / "sh_back.pt")
+    _close_sharded({"losses": back["back"], "state": back["back_state"],
+                    "opt": back["back_opt"]}, back, want["names"])

@@ -12,7 +12,9 @@ saved again by those layouts (pp=1, sharded shares) to be resumed once more. Eac
 """
 import json
 import os
+import shutil
 
+import pytest
 import torch
 
 import smp._C as _C
@@ -94,6 +96,22 @@ def _job(tmp_path, world, cfg, **opts):
     return res
 
 
+@pytest.fixture(scope="module")
+def _saved_a(tmp_path_factory):
+    """The pp=2 job's save "a" (2 steps, then step 5, then save_checkpoint), made once for
+    the module; each test resumes, damages or rewrites its own copy (`_copy_of_a`)."""
+    tmp = tmp_path_factory.mktemp("saved_a")
+    path = str(tmp / "ck")
+    _ok(_job(tmp, 2, {"partitions": 2}, path=path, save="a"))
+    return path
+
+
+def _copy_of_a(saved, tmp_path):
+    path = str(tmp_path / "ck")
+    shutil.copytree(saved, path)
+    return path
+
+
 def _ok(res):
     bad = [r for r in res if r.returncode != 0]
     assert not bad, "\n".join(map(repr, bad))
@@ -124,9 +142,8 @@ def _assert_read_what_kept(reads, files):
         assert r["kept"] <= r["read"] <= r["kept"] + other, (r, data, other)
 
 
-def test_resharding_reads_only_what_each_rank_keeps(tmp_path):
-    path = str(tmp_path / "ck")
-    _ok(_job(tmp_path, 2, {"partitions": 2}, path=path, save="a"))
+def test_resharding_reads_only_what_each_rank_keeps(_saved_a, tmp_path):
+    path = _copy_of_a(_saved_a, tmp_path)
     files_a = _save_files(path, "a")
     data_a, other_a = _sizes(files_a)
     # pp 2 -> 1: the one rank keeps everything; saves a one-part checkpoint.
@@ -170,9 +187,8 @@ def _errors(res):
             if "ERROR " in r.stdout]
 
 
-def test_damaged_record_named_on_every_rank_only_when_kept(tmp_path):
-    path = str(tmp_path / "ck")
-    _ok(_job(tmp_path, 2, {"partitions": 2}, path=path, save="a"))
+def test_damaged_record_named_on_every_rank_only_when_kept(_saved_a, tmp_path):
+    path = _copy_of_a(_saved_a, tmp_path)
     d = os.path.join(path, "a_partial")
     # An optimizer record nobody keeps (load_optimizer=False) is never read.
     _flip_first_tensor(os.path.join(d, "optimizer_1"))
@@ -186,11 +202,10 @@ def test_damaged_record_named_on_every_rank_only_when_kept(tmp_path):
     assert all(r.returncode == 3 for r in res), res
 
 
-def test_version_one_checkpoint_still_resumes(tmp_path):
+def test_version_one_checkpoint_still_resumes(_saved_a, tmp_path):
     """Rewrites a save's files in the version 1 layout (torch.save's zip sealed whole,
     no entry table), as an older smp wrote them; resume is still exact."""
-    path = str(tmp_path / "ck")
-    _ok(_job(tmp_path, 2, {"partitions": 2}, path=path, save="a"))
+    path = _copy_of_a(_saved_a, tmp_path)
     d = os.path.join(path, "a_partial")
     for name in os.listdir(d):
         p = os.path.join(d, name)

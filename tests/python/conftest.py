@@ -124,3 +124,59 @@ def ranks(tmp_path):
             assert_all_ok(res)
         return res
     return run
+
+
+# Note [One job for many cases]
+# A rank's start-up (fork, smp's import, the store rendezvous) and its exit cost about
+# as much as a small case itself. run_cases runs one script for several argument lists
+# in a single job of `world` ranks, one case after the other, smp.shutdown() between
+# them: each case calls smp.init itself and sets its own seeds, as a fresh process
+# does, and its functions live in __main__'s globals, where smp.step and remote calls
+# look them up (as tp_reference.one_job does). A case that fails ends the job there:
+# that case and the ones after it report the failure. A case must not sys.exit.
+_CASES_MAIN = """
+import sys as _sys
+import smp as _smp
+_BODY = {body!r}
+_CASES = {cases!r}
+for _i, _argv in enumerate(_CASES):
+    print("CASE_START", _i, flush=True)
+    print("CASE_START", _i, file=_sys.stderr, flush=True)
+    _sys.argv = _sys.argv[:1] + list(_argv)
+    exec(compile(_BODY, "<case %d>" % _i, "exec"), _sys.modules["__main__"].__dict__)
+    _smp.shutdown()
+    print("CASE_DONE", _i, flush=True)
+"""
+
+
+class CaseJob:
+    """The results of run_cases: `stdout(i)` is each rank's output of case i, once every
+    rank finished it; otherwise it fails, with what the ranks printed."""
+
+    def __init__(self, results, n):
+        self.results, self.n = results, n
+
+    def stdout(self, i):
+        outs = []
+        for r in self.results:
+            text = r.stdout or ""
+            start, done = f"CASE_START {i}\n", f"CASE_DONE {i}\n"
+            if start not in text or done not in text:
+                raise AssertionError(f"case {i} of {self.n} did not finish on rank {r.rank} "
+                                     "(a case fails the job where it fails):\n" +
+                                     "\n".join(map(repr, self.results)))
+            outs.append(text.split(start, 1)[1].split(done, 1)[0])
+        last_done = all(f"CASE_DONE {self.n - 1}\n" in (r.stdout or "") for r in self.results)
+        if last_done and any(r.returncode != 0 for r in self.results):  # the exit failed
+            raise AssertionError("the job failed after its last case:\n" +
+                                 "\n".join(map(repr, self.results)))
+        return outs
+
+
+def run_cases(script, cases, world, tmp_path, timeout_per_case=90, **kw):
+    """Runs `script` once per argument list in `cases`, all in one job of `world` ranks
+    (Note [One job for many cases]); returns a CaseJob."""
+    cases = [list(map(str, c)) for c in cases]
+    main = _CASES_MAIN.format(body=textwrap.dedent(script), cases=cases)
+    res = run_ranks(main, world, tmp_path, timeout=60 + timeout_per_case * len(cases), **kw)
+    return CaseJob(res, len(cases))

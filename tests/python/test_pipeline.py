@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from conftest import run_cases
+
 MODELS = r"""
 import torch, torch.nn as nn
 import smp
@@ -179,75 +181,105 @@ print("plan", json.dumps({k: v["partition"] for k, v in plan.items()}))
 """
 
 
-def _run(ranks, world, cfg, model="residual"):
-    return ranks(SCRIPT, world, args=(json.dumps({"cfg": cfg, "model": model}),), timeout=180)
-
-
-@pytest.mark.parametrize("pipeline", ["interleaved", "simple", "1f1b"])
-@pytest.mark.parametrize("mb", [1, 2, 4])
-def test_pp2_matches_single_process(ranks, pipeline, mb):
-    _run(ranks, 2, {"partitions": 2, "microbatches": mb, "pipeline": pipeline})
-
-
-@pytest.mark.parametrize("world,cfg", [
-    (4, {"partitions": 4, "microbatches": 8}),
-    (4, {"partitions": 2, "microbatches": 4, "ddp": True}),
-], ids=["pp4-mb8", "pp2xdp2-mb4"])
-def test_1f1b_matches_single_process(ranks, world, cfg):
-    _run(ranks, world, dict(cfg, pipeline="1f1b"))
-
-
+PP2_MATCHES = [(2, {"partitions": 2, "microbatches": mb, "pipeline": pipeline}, "residual")
+               for mb in (1, 2, 4) for pipeline in ("interleaved", "simple", "1f1b")]
+F1B = [(4, {"partitions": 4, "microbatches": 8, "pipeline": "1f1b"}, "residual"),
+       (4, {"partitions": 2, "microbatches": 4, "ddp": True, "pipeline": "1f1b"}, "residual")]
 # The c10d payload path (Note [Payload transports] in smp_core/p2p.h) through the same
 # checks: tensors by Gloo send/recv here, as CUDA tensors go by NCCL on GPU machines.
-@pytest.mark.parametrize("world,cfg,model", [
+C10D = [(w, dict(cfg, p2p_transport="c10d"), m) for w, cfg, m in [
     (2, {"partitions": 2, "microbatches": 4}, "residual"),
     (2, {"partitions": 2, "microbatches": 2, "pipeline": "simple"}, "fancy"),
     (2, {"partitions": 2, "microbatches": 2}, "nested"),
     (4, {"partitions": 4, "microbatches": 4}, "residual"),
     (4, {"partitions": 2, "microbatches": 2, "ddp": True}, "residual"),
-], ids=["pp2-mb4", "pp2-simple-fancy", "pp2-nested", "pp4", "pp2xdp2"])
-def test_c10d_transport_matches_single_process(ranks, world, cfg, model):
-    _run(ranks, world, dict(cfg, p2p_transport="c10d"), model)
+]]
+PP4_MB4 = (4, {"partitions": 4, "microbatches": 4}, "residual")
+PP4_DP2 = (8, {"partitions": 4, "microbatches": 4, "ddp": True}, "residual")
+PP2_DP2 = (4, {"partitions": 2, "microbatches": 2, "ddp": True}, "residual")
+FANCY = (2, {"partitions": 2, "microbatches": 2}, "fancy")
+PLACED = (2, {"partitions": 2, "auto_partition": False, "default_partition": 0}, "placed")
+# Rank 1 serves `outer` and, inside it, waits on `outer.back` owned by rank 0 while
+# other microbatches' requests keep being served (Note [Serving]).
+NESTED = [(2, {"partitions": 2, "microbatches": 4, "pipeline": pipeline,
+               "auto_partition": False, "default_partition": 0}, "nested")
+          for pipeline in ("interleaved", "simple", "zero_bubble")]
+PLACED_AUTO = (2, {"partitions": 2, "auto_partition": True}, "placed")
+CASES = (PP2_MATCHES + F1B + C10D + [PP4_MB4, PP4_DP2, PP2_DP2, FANCY, PLACED] + NESTED +
+         [PLACED_AUTO])
 
 
-def test_pp4_mb4(ranks):
-    res = _run(ranks, 4, {"partitions": 4, "microbatches": 4})
-    owned = json.loads(res[0].stdout.split("owned", 1)[1].splitlines()[0])
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """`jobs(case)`: each rank's output of SCRIPT for `case` (world, cfg, model). The
+    cases of one world size run in one job, made on first use (Note [One job for many
+    cases] in conftest.py): each still inits smp with its config, builds its model and
+    trains it against the one-process copy."""
+    made = {}
+
+    def get(case):
+        world = case[0]
+        if world not in made:
+            mine = [c for c in CASES if c[0] == world]
+            made[world] = (mine, run_cases(
+                SCRIPT, [(json.dumps({"cfg": cfg, "model": model}),) for _, cfg, model in mine],
+                world, tmp_path_factory.mktemp(f"world{world}"), timeout_per_case=180))
+        mine, job = made[world]
+        return job.stdout(mine.index(case))
+    return get
+
+
+def _json_after(out, tag):
+    return json.loads(out.split(tag, 1)[1].splitlines()[0])
+
+
+@pytest.mark.parametrize("case", PP2_MATCHES,
+                         ids=[f"{c['pipeline']}-mb{c['microbatches']}" for _, c, _ in PP2_MATCHES])
+def test_pp2_matches_single_process(jobs, case):
+    jobs(case)
+
+
+@pytest.mark.parametrize("case", F1B, ids=["pp4-mb8", "pp2xdp2-mb4"])
+def test_1f1b_matches_single_process(jobs, case):
+    jobs(case)
+
+
+@pytest.mark.parametrize("case", C10D,
+                         ids=["pp2-mb4", "pp2-simple-fancy", "pp2-nested", "pp4", "pp2xdp2"])
+def test_c10d_transport_matches_single_process(jobs, case):
+    jobs(case)
+
+
+def test_pp4_mb4(jobs):
+    owned = _json_after(jobs(PP4_MB4)[0], "owned")
     assert len(owned) == 4 and all(owned)
 
 
-def test_pp4_dp2_eight_ranks(ranks):
-    _run(ranks, 8, {"partitions": 4, "microbatches": 4, "ddp": True})
+def test_pp4_dp2_eight_ranks(jobs):
+    jobs(PP4_DP2)
 
 
-def test_pp2_dp2(ranks):
-    _run(ranks, 4, {"partitions": 2, "microbatches": 2, "ddp": True})
+def test_pp2_dp2(jobs):
+    jobs(PP2_DP2)
 
 
-def test_module_reuse_branch_kwargs_dicts_token_ids(ranks):
-    _run(ranks, 2, {"partitions": 2, "microbatches": 2}, model="fancy")
+def test_module_reuse_branch_kwargs_dicts_token_ids(jobs):
+    jobs(FANCY)
 
 
-def test_manual_partition_honoured(ranks):
-    res = _run(ranks, 2, {"partitions": 2, "auto_partition": False, "default_partition": 0},
-               model="placed")
-    plan = json.loads(res[0].stdout.split("plan", 1)[1].splitlines()[0])
+def test_manual_partition_honoured(jobs):
+    plan = _json_after(jobs(PLACED)[0], "plan")
     assert plan["first"] == 1 and plan["last"] == 1 and plan["mid"] == 0 and plan[""] == 0
 
 
-@pytest.mark.parametrize("pipeline", ["interleaved", "simple", "zero_bubble"])
-def test_nested_calls_back_into_the_driver(ranks, pipeline):
-    # Rank 1 serves `outer` and, inside it, waits on `outer.back` owned by rank 0 while
-    # other microbatches' requests keep being served (Note [Serving]).
-    res = _run(ranks, 2, {"partitions": 2, "microbatches": 4, "pipeline": pipeline,
-                          "auto_partition": False, "default_partition": 0}, model="nested")
-    plan = json.loads(res[0].stdout.split("plan", 1)[1].splitlines()[0])
+@pytest.mark.parametrize("case", NESTED, ids=["interleaved", "simple", "zero_bubble"])
+def test_nested_calls_back_into_the_driver(jobs, case):
+    plan = _json_after(jobs(case)[0], "plan")
     assert plan["outer"] == 1 and plan["outer.back"] == 0 and plan["outer.pre"] == 1, plan
 
 
-def test_manual_partition_ignored_with_auto(ranks):
-    res = _run(ranks, 2, {"partitions": 2, "auto_partition": True}, model="placed")
-    plan = json.loads(res[0].stdout.split("plan", 1)[1].splitlines()[0])
+def test_manual_partition_ignored_with_auto(jobs):
+    plan = _json_after(jobs(PLACED_AUTO)[0], "plan")
     assert plan["first"] == 0  # contiguous auto plan: the first layer stays on stage 0
 
 

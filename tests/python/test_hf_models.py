@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")  # a test-only dependency (README)
 
 import hf_nets  # noqa: E402  (beside this file)
+from conftest import run_cases  # noqa: E402
 
 TORCH_2 = int(torch.__version__.split(".")[0]) >= 2
 STEPS = 3
@@ -81,17 +82,34 @@ def _close(state, ref):
 MODES = ["deferred", "ckpt", "deferred+ckpt+shard"]
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`trained(kind, world, cfg, modes)`: what TRAIN wrote for `kind`. The kinds of one
+    layout train in one job (Note [One job for many cases] in conftest.py), each kind a
+    case with its own smp.init per mode, as a job of its own would."""
+    made = {}
+
+    def get(kind, world, cfg, modes):
+        key = json.dumps([world, cfg, modes])
+        if key not in made:
+            d = tmp_path_factory.mktemp(f"hf_world{world}")
+            cases = [(json.dumps(dict(kind=k, cfg=cfg, modes=modes, steps=STEPS,
+                                      out=str(d / f"{k}.json"))),) for k in hf_nets.KINDS]
+            made[key] = (d, run_cases(TRAIN, cases, world, d, timeout_per_case=400))
+        d, job = made[key]
+        job.stdout(hf_nets.KINDS.index(kind))
+        return json.loads((d / f"{kind}.json").read_text())
+    return get
+
+
 @pytest.mark.skipif(not TORCH_2, reason="deferred init needs torch >= 2.0")
 @pytest.mark.parametrize("kind", hf_nets.KINDS)
 @pytest.mark.parametrize("world,cfg,modes", [
     (2, {"partitions": 2}, MODES),
     (4, {"partitions": 2, "ddp": True}, MODES),
 ], ids=["pp2", "pp2xdp2"])
-def test_hf_models_train_as_the_plain_model(ranks, tmp_path, kind, world, cfg, modes):
-    path = tmp_path / "out.json"
-    opts = dict(kind=kind, cfg=cfg, modes=modes, steps=STEPS, out=str(path))
-    ranks(TRAIN, world, args=(json.dumps(opts),), timeout=400)
-    got = json.loads(path.read_text())
+def test_hf_models_train_as_the_plain_model(trained, kind, world, cfg, modes):
+    got = trained(kind, world, cfg, modes)
     dp = world // 2
     ref_losses, ref_state = _reference(kind, dp)
     for mode in modes:

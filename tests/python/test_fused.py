@@ -531,21 +531,46 @@ smp.shutdown()
 """
 
 
-@pytest.mark.parametrize("opt,shard", [("lamb", False), ("lamb", True), ("novograd", True)],
-                         ids=["lamb", "lamb-sharded", "novograd-sharded"])
-def test_pp2_dp2_equals_one_process(ranks, opt, shard):
-    # LAMB clips by the global norm (max_grad_norm below it every step): every stage's
-    # gradients, the tied weight once, each sharded gradient on the rank keeping it.
-    # Sharded, in buckets of 8 KiB: each rank's share is stepped in several rounds, the
-    # norm computed once before them (Note [Steps in rounds]).
-    import json
+def _pp2_dp2_opts(opt, shard):
     cfg = {"partitions": 2, "microbatches": 2, "ddp": True, "shard_optimizer_state": shard}
     kw = (dict(lr=1e-2, weight_decay=0.01, max_grad_norm=0.05) if opt == "lamb"
           else dict(lr=1e-2, weight_decay=0.01, reg_inside_moment=True))
     extra = {"cap_mb": 1 / 128} if shard else {}
-    res = ranks(TRAIN, 4, args=(json.dumps(dict(cfg=cfg, opt=opt, kw=kw, **extra)),),
-                timeout=120)
-    assert "EQUAL" in res[0].stdout, res[0]
+    return dict(cfg=cfg, opt=opt, kw=kw, **extra)
+
+
+_PP2_DP2_CASES = [_pp2_dp2_opts(o, s) for o, s in [("lamb", False), ("lamb", True),
+                                                    ("novograd", True)]]
+_FP16_NORM_CASES = [dict(cfg={"partitions": 2, "microbatches": 2, "ddp": True, "fp16": True,
+                              "shard_optimizer_state": shard}) for shard in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def fused_jobs(tmp_path_factory):
+    """`fused_jobs(script, cases, opts)`: each rank's output of `script` run with `opts`,
+    one of `cases`. A script's cases run in one pp=2 x dp=2 job (Note [One job for many
+    cases] in conftest.py), made on first use; each case inits smp with its own config."""
+    import json
+    from conftest import run_cases
+    made = {}
+
+    def get(script, cases, opts):
+        if script not in made:
+            made[script] = run_cases(script, [(json.dumps(c),) for c in cases], 4,
+                                     tmp_path_factory.mktemp("fused"), timeout_per_case=120)
+        return made[script].stdout(cases.index(opts))
+    return get
+
+
+@pytest.mark.parametrize("opt,shard", [("lamb", False), ("lamb", True), ("novograd", True)],
+                         ids=["lamb", "lamb-sharded", "novograd-sharded"])
+def test_pp2_dp2_equals_one_process(fused_jobs, opt, shard):
+    # LAMB clips by the global norm (max_grad_norm below it every step): every stage's
+    # gradients, the tied weight once, each sharded gradient on the rank keeping it.
+    # Sharded, in buckets of 8 KiB: each rank's share is stepped in several rounds, the
+    # norm computed once before them (Note [Steps in rounds]).
+    out = fused_jobs(TRAIN, _PP2_DP2_CASES, _pp2_dp2_opts(opt, shard))
+    assert "EQUAL" in out[0], out[0]
 
 
 FP16_NORM = PRELUDE + r"""
@@ -569,13 +594,10 @@ smp.shutdown()
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["pp2xdp2", "pp2xdp2-sharded"])
-def test_lamb_norm_under_fp16_masters_is_the_global_norm_of_the_masters(ranks, shard):
+def test_lamb_norm_under_fp16_masters_is_the_global_norm_of_the_masters(fused_jobs, shard):
     # Note [Master weights] in smp/mixed_precision.py: the step sees fp32 masters in the
     # groups (or, before a sharded step's rounds, the fp16 parameters); LAMB counts the
     # model's parameters (the tied weight once) with the masters' gradients, the norm
     # optimizer.clip_master_grads computes.
-    import json
-    cfg = {"partitions": 2, "microbatches": 2, "ddp": True, "fp16": True,
-           "shard_optimizer_state": shard}
-    res = ranks(FP16_NORM, 4, args=(json.dumps(dict(cfg=cfg)),), timeout=120)
-    assert "EQUAL" in res[0].stdout, res[0]
+    out = fused_jobs(FP16_NORM, _FP16_NORM_CASES, _FP16_NORM_CASES[shard])
+    assert "EQUAL" in out[0], out[0]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mp_nets
+from conftest import run_cases
 
 TORCH_AMP_CPU = hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler")
 
@@ -112,13 +113,39 @@ SCALER = {"init_scale": 1024.0, "scale_window": 2, "min_scale": 1.0}
 BASE = dict(lr=0.05, steps=6, scaler=SCALER, inf_step=3, clip=1.0)
 
 
-def _run(ranks, tmp_path, world, dtype, **extra):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "out.json"
-    opts = {**BASE, "cfg": {"partitions": 2, "ddp": True}, **extra, "dtype": dtype,
-            "out": str(path), "dir": str(tmp_path / "ckpt")}
-    ranks(TRAIN, world, args=(json.dumps(opts),), timeout=300)
-    return json.loads(path.read_text()), opts
+SHARDED = {"partitions": 2, "ddp": True, "shard_optimizer_state": True}
+# Every TRAIN run of this file as (world, dtype, extra). The uninterrupted runs that the
+# resume test compares with are the scaling test's pp2 and pp2xdp2-sharded runs.
+RUNS = [(2, "fp16", {}), (4, "fp16", {}), (4, "fp16", {"cfg": SHARDED}),
+        (2, "fp16", {"deferred": True}), (2, "bf16", {"inf_step": -1}),
+        (2, "fp16", {"resume": True}), (4, "fp16", {"cfg": SHARDED, "resume": True})]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`trained(world, dtype, **extra)`: (what TRAIN wrote, its options) for that run of
+    RUNS. The runs of one world size go in one job (Note [One job for many cases] in
+    conftest.py), made on first use; each run inits smp itself, as a job of its own."""
+    made = {}
+
+    def get(world, dtype, **extra):
+        if world not in made:
+            root = tmp_path_factory.mktemp(f"mp_world{world}")
+            mine = [run for run in RUNS if run[0] == world]
+            opts = []
+            for i, (_, dt, ex) in enumerate(mine):
+                d = root / f"run{i}"
+                d.mkdir()
+                opts.append({**BASE, "cfg": {"partitions": 2, "ddp": True}, **ex, "dtype": dt,
+                             "out": str(d / "out.json"), "dir": str(d / "ckpt")})
+            made[world] = (mine, opts, run_cases(TRAIN, [(json.dumps(o),) for o in opts],
+                                                 world, root, timeout_per_case=300))
+        mine, opts, job = made[world]
+        i = mine.index((world, dtype, extra))
+        job.stdout(i)
+        with open(opts[i]["out"]) as f:
+            return json.load(f), opts[i]
+    return get
 
 
 def _worst(a, b):
@@ -129,12 +156,10 @@ def _worst(a, b):
 
 
 @pytest.mark.parametrize("world,extra", [
-    (2, {}), (4, {}), (4, {"cfg": {"partitions": 2, "ddp": True, "shard_optimizer_state": True}}),
-    (2, {"deferred": True}),
+    (2, {}), (4, {}), (4, {"cfg": SHARDED}), (2, {"deferred": True}),
 ], ids=["pp2", "pp2xdp2", "pp2xdp2-sharded", "pp2-deferred"])
-def test_fp16_dynamic_scaling_is_one_decision_and_equals_the_reference(ranks, tmp_path, world,
-                                                                        extra):
-    got, opts = _run(ranks, tmp_path, world, "fp16", **extra)
+def test_fp16_dynamic_scaling_is_one_decision_and_equals_the_reference(trained, world, extra):
+    got, opts = trained(world, "fp16", **extra)
     ref = mp_nets.reference(dict(opts, dp=world // 2))
     # The injected inf (pp rank 1, dp rank 0, step 3) makes every rank skip step 3
     # and halve its scale: one sequence on every rank, the reference's.
@@ -158,8 +183,8 @@ def test_fp16_dynamic_scaling_is_one_decision_and_equals_the_reference(ranks, tm
     assert _worst(got["state"], ref["state"]) < 1e-3
 
 
-def test_bf16_config_equals_the_bf16_reference(ranks, tmp_path):
-    got, opts = _run(ranks, tmp_path, 2, "bf16", inf_step=-1)
+def test_bf16_config_equals_the_bf16_reference(trained):
+    got, opts = trained(2, "bf16", inf_step=-1)
     ref = mp_nets.reference(dict(opts, dp=1))
     assert got["dtypes"] == ["torch.bfloat16"]
     assert all(s == [1.0] * opts["steps"] for s, _, _ in got["per_rank"])
@@ -168,11 +193,11 @@ def test_bf16_config_equals_the_bf16_reference(ranks, tmp_path):
 
 
 @pytest.mark.parametrize("world,extra", [
-    (2, {}), (4, {"cfg": {"partitions": 2, "ddp": True, "shard_optimizer_state": True}}),
+    (2, {}), (4, {"cfg": SHARDED}),
 ], ids=["pp2", "pp2xdp2-sharded"])
-def test_fp16_resume_mid_run_is_bitwise_the_uninterrupted_run(ranks, tmp_path, world, extra):
-    whole, _ = _run(ranks, tmp_path / "a", world, "fp16", **extra)
-    resumed, _ = _run(ranks, tmp_path / "b", world, "fp16", resume=True, **extra)
+def test_fp16_resume_mid_run_is_bitwise_the_uninterrupted_run(trained, world, extra):
+    whole, _ = trained(world, "fp16", **extra)
+    resumed, _ = trained(world, "fp16", resume=True, **extra)
     assert resumed["scales"] == whole["scales"]
     assert resumed["overflows"] == whole["overflows"]
     assert resumed["losses"] == whole["losses"]

@@ -74,15 +74,29 @@ smp.shutdown()
 """
 
 
-def _run(ranks, world, cfg, opt, steps=3, env=None, **extra):
-    opts = dict(cfg=cfg, opt=opt, steps=steps, **extra)
-    res = ranks(TRAIN, world, args=(json.dumps(opts),), timeout=120, env=env)
+def _results(stdouts):
     out = []
-    for r in res:
-        for line in r.stdout.splitlines():
+    for text in stdouts:
+        for line in text.splitlines():
             if line.startswith("RESULT "):
                 out.append(json.loads(line[len("RESULT "):]))
     return sorted(out, key=lambda d: d["pp"])
+
+
+def _run(ranks, world, cfg, opt, steps=3, env=None, **extra):
+    opts = dict(cfg=cfg, opt=opt, steps=steps, **extra)
+    res = ranks(TRAIN, world, args=(json.dumps(opts),), timeout=120, env=env)
+    return _results(r.stdout for r in res)
+
+
+def _run_in_one_job(tmp_path, world, runs):
+    """Each of `runs` ((cfg, opt, steps, extra) in turn) as _run gives it, all in one job
+    (Note [One job for many cases] in conftest.py): each inits smp with its config."""
+    from conftest import run_cases
+    job = run_cases(TRAIN, [(json.dumps(dict(cfg=cfg, opt=opt, steps=steps, **extra)),)
+                            for cfg, opt, steps, extra in runs], world, tmp_path,
+                    timeout_per_case=120)
+    return [_results(job.stdout(i)) for i in range(len(runs))]
 
 
 def _close(got, want, what):
@@ -147,16 +161,17 @@ def test_sharded_through_the_process_group_equals_shared_memory(ranks):
         assert b["grads"] == a["grads"]
 
 
-def test_the_full_state_reshards_to_another_dp_size(ranks, tmp_path):
+def test_the_full_state_reshards_to_another_dp_size(tmp_path):
     # Two steps sharded at dp=2, the gathered state saved, then the third step at dp=4
     # sharded and at pp=2 x dp=2 equals three unsharded steps at dp=2 (to rounding: the
     # mean over 4 ranks sums in another order).
     path = str(tmp_path / "ckpt.pt")
-    want = _run(ranks, 2, {"ddp": True}, "adamw", steps=3)[0]
-    _run(ranks, 2, {"ddp": True, "shard_optimizer_state": True}, "adamw", steps=2, save=path)
-    for world, cfg in [(4, {"ddp": True}), (4, {"ddp": True, "partitions": 2})]:
-        got = _run(ranks, world, dict(cfg, shard_optimizer_state=True), "adamw", steps=3,
-                   first=2, load=path)
+    want = _run_in_one_job(tmp_path, 2, [
+        ({"ddp": True}, "adamw", 3, {}),
+        ({"ddp": True, "shard_optimizer_state": True}, "adamw", 2, {"save": path})])[0][0]
+    for got in _run_in_one_job(tmp_path, 4, [
+            (dict(cfg, shard_optimizer_state=True), "adamw", 3, {"first": 2, "load": path})
+            for cfg in ({"ddp": True}, {"ddp": True, "partitions": 2})]):
         params = {}
         for part in got:
             params.update(part["params"])
@@ -165,19 +180,32 @@ def test_the_full_state_reshards_to_another_dp_size(ranks, tmp_path):
             assert torch.allclose(torch.tensor(params[k]), torch.tensor(v), atol=1e-6), k
 
 
+@pytest.fixture(scope="module")
+def sgd_sharded_checkpoint(tmp_path_factory):
+    """(three unsharded SGD steps at dp=2, the directory of a partial checkpoint saved
+    after two sharded steps at dp=2): both runs in one job, once for the module."""
+    tmp = tmp_path_factory.mktemp("sgd_sharded")
+    d = str(tmp / "ckpt")
+    want, _ = _run_in_one_job(tmp, 2, [
+        ({"ddp": True}, "sgd", 3, {}),
+        ({"ddp": True, "shard_optimizer_state": True}, "sgd", 2, {"checkpoint": d})])
+    return want[0], d
+
+
 @pytest.mark.parametrize("world,cfg", [
     (1, {}), (4, {"shard_optimizer_state": True}),
     (4, {"partitions": 2, "shard_optimizer_state": True}),
 ], ids=["dp1", "dp4-sharded", "pp2xdp2-sharded"])
-def test_a_sharded_partial_checkpoint_resumes_at_another_layout(ranks, tmp_path, world, cfg):
+def test_a_sharded_partial_checkpoint_resumes_at_another_layout(ranks, tmp_path, world, cfg,
+                                                                sgd_sharded_checkpoint):
     # save_checkpoint(partial=True) of a sharded optimizer: each rank writes its share
     # (smp.save(..., v3=True)); any layout reads them back, each rank its round of files
-    # and the entries exchanged by name.
-    d = str(tmp_path / "ckpt")
-    want = _run(ranks, 2, {"ddp": True}, "sgd", steps=3)[0]
-    _run(ranks, 2, {"ddp": True, "shard_optimizer_state": True}, "sgd", steps=2,
-         checkpoint=d)
+    # and the entries exchanged by name. Each layout resumes its own copy of the save.
     import os
+    import shutil
+    want, saved = sgd_sharded_checkpoint
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(saved, d)
     files = sorted(os.listdir(os.path.join(d, "t_partial")))
     assert "optimizer_0_0" in files and "optimizer_0_1" in files, files  # a share each
     assert "optimizer_0" not in files, files                            # nothing gathered

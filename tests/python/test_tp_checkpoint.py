@@ -8,7 +8,9 @@ without resharding (1e-6); pp x tp changes reshard too; `python -m smp.checkpoin
 merge` concatenates the slices. A substituted nn.Linear keeps nn.Linear's names, and
 saves under smp's former names (linear.weight) still load. A sharded optimizer
 (shard_optimizer_state) at tp=2 x rdp=2: a partial save resumes bitwise, a full one at
-tp=1 and back at tp=2 (1e-6, optimizer state included)."""
+tp=1 and back at tp=2 (1e-6, optimizer state included); its partial saves (gathered
+local state, shares) read with smp.load(partial=True) give each tp rank its own slices'
+optimizer state (bitwise, also at tp=1)."""
 import importlib.util
 import json
 import os
@@ -71,6 +73,15 @@ def batch(i):
 
 def emit(tag, obj):
     print(tag + " " + json.dumps(obj), flush=True)
+
+
+def check_same_opt(got, want, what):
+    # full positional optimizer states equal bitwise (naming the entry that is not)
+    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+    for i, st in want.items():
+        assert sorted(got[i]) == sorted(st), (what, i)
+        for k, v in st.items():
+            assert torch.equal(got[i][k], v), (what, "optimizer state", i, k)
 """
 
 FULL = PRELUDE + r"""
@@ -454,12 +465,16 @@ def test_tp2_to_tp1_to_tp2_continues_as_without_resharding(ranks, tmp_path):
 
 SHARDED_TP2 = PRELUDE + r"""
 # shard_optimizer_state at tp=2 x rdp=2 (Note [Sharded tp slices]): a partial save
-# resumes bitwise; a full save is resumed at tp=1 by SHARDED_TP1.
+# resumes bitwise; a full save is resumed at tp=1 by SHARDED_TP1. smp.load(partial=True)
+# + opt.load_state_dict of the gathered local state (SMP v1's way) and of the shares
+# save_checkpoint wrote give each tp rank its own slices' state, bitwise.
 model, opt, train = start(2, shard=True)
 assert smp.rdp_size() == 2
 for i in range(2):
     train(i)
 smp.save_checkpoint(D, "sh", partial=True)
+smp.save(opt.local_state_dict(), os.path.join(D, "sh_local"), partial=True)
+saved_opt = opt.state_dict()["state"]  # full: the uninterrupted run's at the save
 smp.save_checkpoint(D, "sh_full", partial=False)
 a_losses = [train(i) for i in range(2, 4)]
 a = {k: v.detach().clone() for k, v in model.local_named_parameters()}
@@ -478,10 +493,14 @@ assert sorted(a_opt["state"]) == sorted(b_opt["state"])
 for i, st in a_opt["state"].items():
     for k, v in st.items():
         assert torch.equal(v, b_opt["state"][i][k]), ("optimizer state", i, k)
+# (loaded over the state of two more steps, so a load that keeps it shows)
+for f in ("sh_local", "sh_partial/optimizer"):
+    opt.load_state_dict(smp.load(os.path.join(D, f), partial=True))
+    check_same_opt(opt.state_dict()["state"], saved_opt, f)
 if smp.rank() == 0:
     names = [n for n, _ in model.get_module().named_parameters()]
     torch.save({"losses": a_losses, "state": a_full, "names": names,
-                "opt": a_opt["state"]}, os.path.join(D, "sh_want.pt"))
+                "opt": a_opt["state"], "saved_opt": saved_opt}, os.path.join(D, "sh_want.pt"))
 print("SHARDED ok", flush=True)
 """
 
@@ -500,6 +519,11 @@ cont_state, cont_opt = model.state_dict(), opt.state_dict()["state"]
 if smp.rank() == 0:
     torch.save({"losses": losses, "state": state, "opt": opt_state},
                os.path.join(D, "sh_tp1.pt"))
+# SHARDED_TP2's tp=2 saves read with smp.load at tp=1: the slices' pieces concatenated
+saved_opt = torch.load(os.path.join(D, "sh_want.pt"))["saved_opt"]
+for f in ("sh_local", "sh_partial/optimizer"):
+    opt.load_state_dict(smp.load(os.path.join(D, f), partial=True))
+    check_same_opt(opt.state_dict()["state"], saved_opt, f + " at tp=1")
 smp.shutdown()
 
 model, opt, train = start(2, seed=3, shard=True)
@@ -534,7 +558,8 @@ def _close_sharded(got, want, names):
 
 def test_tp2_pp2_to_tp1_pp1_reshards(ranks, tmp_path):
     # The same two launches (4 ranks, then 2) also run a sharded optimizer's saves:
-    # tp=2 x rdp=2 partial and full, resumed at tp=2 x rdp=2 and at tp=1, and back.
+    # tp=2 x rdp=2 partial and full, resumed at tp=2 x rdp=2 and at tp=1, and back;
+    # the partial ones read with smp.load too, at tp=2 x rdp=2 and at tp=1.
     _close(*_reshard(ranks, tmp_path, [(4, 2, 2), (2, 1, 1)],
                      extra={4: [SHARDED_TP2], 2: [SHARDED_TP1]}))
     want = torch.load(tmp_path / "sh_want.pt")

@@ -101,10 +101,15 @@ def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
         sd["state"] = {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                        for n, s in sd["state"].items()}
     if gather_if_shard and optimizer_sharding.of(self) is not None:
-        shares = allgather(sd, CommGroup.DP_GROUP)
+        # Under tp the dp group spans tp x rdp, and a tp slice has the same name on every
+        # tp rank: its state is taken from this tp rank's shares only (Note [Sharded tp
+        # slices] in smp/optimizer_sharding.py), never another tp rank's piece.
+        shares = allgather((tp_rank(), sd), CommGroup.DP_GROUP)
+        cut = {n for n, m in _tp_marks(self, full=True).items() if tp_state.is_cut(m)}
         full = _param_names(self, full=True)
         sd = _with_scaler(
-            {"state": {n: st for share in shares for n, st in share["state"].items()},
+            {"state": {n: st for t, share in shares for n, st in share["state"].items()
+                       if t == tp_rank() or n not in cut},
              "param_groups": [dict(g, params=[full[i] for i in g["params"]])
                               for g in _full_groups_by_position(self)]}, sd)
         if local is not None:
@@ -113,9 +118,9 @@ def _local_state_dict(self, gather_if_shard=True, cast_to_cpu=False):
     sd[_BY_NAME] = True
     if model_state.tp_degree() > 1:
         # Note [Slices in checkpoints] (smp/tp_state.py): a sliced parameter's state
-        # tensors of its shape are slices too
-        sd[tp_state.TP_KEY] = tp_state.table(_tp_marks(self), sd["state"], tp_rank(),
-                                             tp_size())
+        # tensors of its shape are slices too (of the whole group's, with a gathered share)
+        sd[tp_state.TP_KEY] = tp_state.table(_tp_marks(self, full=True), sd["state"],
+                                             tp_rank(), tp_size())
     return sd
 
 

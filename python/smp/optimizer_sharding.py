@@ -54,6 +54,11 @@ parameter (`_smp_tp_dim`) is a different slice on each tp rank: only its rdp gro
 - `model.clip_grad_norm_` counts each gradient on the rank that keeps it and sums over
   every rank: each slice once per tp rank (once per rdp group), each replicated
   gradient once per stage, which is the norm of Note [Norm over tp slices].
+- a slice has one name on every tp rank, so state is never merged by name across tp
+  ranks: `optimizer.local_state_dict()` gathering the dp group's shares takes a slice's
+  state from this tp rank's shares only, and `smp.load(f, partial=True)` of the shares
+  (`v3=True`) reads every one and merges them as tp parts (smp/checkpoint/_read.py),
+  as resume_from_checkpoint does.
 Each rank's optimizer state is then about (replicated + tp x sliced) / dp of a stage's
 elements, against replicated + sliced unsharded.
 

@@ -3,10 +3,10 @@ file and a partial save; writing is `_commit.py`'s, reading `_read.py`'s."""
 import os
 import pickle
 
-from smp import ranks
-from smp.checkpoint import _async, _commit, _hook_state, _read, _torch_load
-from smp.checkpoint._common import (CheckpointError, check_bool, check_path, topology,
-                                   tp_layout)
+from smp import ranks, tp_state
+from smp.checkpoint import _async, _commit, _hook_state, _parts, _read, _torch_load
+from smp.checkpoint._common import (PARTIAL_KEY, CheckpointError, check_bool, check_path,
+                                   topology, tp_layout)
 from smp.collectives import api_call
 from smp.model_state import SHARDS_KEY
 from smp.process_state import is_initialized
@@ -155,10 +155,17 @@ def load(f, map_location=None, pickle_module=pickle, partial=True, back_compat=F
 
 def _merge_shards(objs):
     """One dict from the shards a rank read: dicts merge key by key ("state" entries
-    by name), anything else is the first shard's."""
+    by name), anything else is the first shard's. Shares saved under tensor
+    parallelism (every shard read) merge as the parts of a partial save: a slice's
+    state read from several tp ranks' shares is a `smp.tp_state.Slices`, from which
+    `load_state_dict` gives each rank its own piece (Note [Slices in checkpoints])."""
     first = objs[0]
     if not isinstance(first, dict):
         return first
+    if tp_state.has_table(objs):
+        out = _parts.merge(objs)
+        out.pop(PARTIAL_KEY, None)  # every share is in: a complete state
+        return out
     out = dict(first)
     for o in objs[1:]:
         for k, v in o.items():

@@ -7,6 +7,7 @@ import pickle
 import re
 
 import smp._C as _C
+from smp import tp_state
 from smp.checkpoint import _torch_load
 from smp.checkpoint._common import CheckpointError, agree
 from smp.checkpoint._parts import merge, tp_parts
@@ -142,17 +143,25 @@ def has_shards(path):
 
 def read_shards(path, rank, world, map_location, pickle_module, weights_only,
                 pickle_load_args):
-    """The shards this rank reads: every `world`-th from `rank` (so that together the
-    ranks read each once, whatever the saving job's layout), and the first one (each
-    rank needs something to merge into); collective over the world (the verdict)."""
+    """The shards this rank reads: the first one (each rank needs something to merge
+    into), and every `world`-th from `rank` (so that together the ranks read each once,
+    whatever the saving job's layout). Shares saved under tensor parallelism (their
+    `_smp_tp` table, Note [Sharded tp slices] in smp/optimizer_sharding.py): every
+    shard, since the tp pieces of one slice's state are in shares of different ranks
+    and are combined by position, not by name. Collective over the world (the verdict).
+    """
     files = shard_files(path)
     objs, err = [], None
     if not files:
         err = f"smp: no shards '{path}_<pp>_<dp>' (smp.save(..., v3=True)) exist"
     else:
-        mine = sorted(set(range(rank, len(files), world)) | {0})
         try:
-            for i in mine:
+            objs.append(read_full(files[0], map_location, pickle_module, weights_only,
+                                  pickle_load_args))
+            # (shard 0 decides, and every rank reads it: the ranks choose alike)
+            rest = range(1, len(files)) if tp_state.has_table(objs[:1]) else \
+                sorted(set(range(rank, len(files), world)) - {0})
+            for i in rest:
                 objs.append(read_full(files[i], map_location, pickle_module, weights_only,
                                       pickle_load_args))
         except Exception as e:  # noqa: BLE001  (reported on every rank below)

@@ -65,6 +65,14 @@ void Dispatcher::Impl::StepState::begin_step(int64_t n, bool deterministic, bool
   microbatches = n;
   next_mb = 0;
   forwards_done.clear();
+  bodies_over.clear();
+}
+
+int64_t Dispatcher::Impl::StepState::lowest_running() const {
+  const int64_t started = std::min(next_mb.load(), microbatches);
+  for (int64_t mb = 0; mb < started; ++mb)
+    if (!bodies_over.count(mb)) return mb;
+  return started;
 }
 
 void Dispatcher::Impl::start(std::function<void()> body) {
@@ -190,6 +198,8 @@ void Dispatcher::Impl::run(const Message& msg) {
 
 // Body of a serving thread (Note [Serving]).
 void Dispatcher::Impl::serve_loop() {
+  // Note [Leaving a plan under tp]: requests are served as they came from the driver.
+  const bool tp = is_initialized() && runtime().topology().tp_size() > 1;
   struct NotLeading {
     Impl* me;
     ~NotLeading() {
@@ -231,7 +241,7 @@ void Dispatcher::Impl::serve_loop() {
         mask = bit(next->second) | bit(kAbort) | bit(kStepEnd) | bit(kPlanOff);
       }
       Message msg = p2p->recv(want_mb, kAny, mask, "work from the pipeline driver (pp rank 0)",
-                              false, 0, order);
+                              false, 0, tp ? RecvOrder::kArrival : order);
       if (msg.kind == kPlanOff) {  // another rank left the plan: so does this one
         leave_plan_on_word();
         continue;
@@ -346,7 +356,9 @@ void Dispatcher::drive(MicrobatchFn run) {
       // any work runs.
       const bool claim_first = I.planned_now();
       int64_t mb = claim_first ? I.step.next_mb.fetch_add(1) : I.step.next_mb.load();
-      if (claim_first && mb >= n) return;
+      // (Every microbatch started: without a claim too, as Note [Leaving a plan under
+      // tp] holds back a task waiting for a microbatch beyond the last.)
+      if (mb >= n) return;
       TaskContext task;
       task.mb = mb;
       if (streams) task.rng = task_rng::derive(seed, mb, I.step.rng_cuda);
@@ -363,18 +375,33 @@ void Dispatcher::drive(MicrobatchFn run) {
         task.mb = mb;
         if (streams && mb != expected)
           task_rng::install(task_rng::derive(seed, mb, I.step.rng_cuda));
+        if (mb != expected && I.p2p->serial_now()) {
+          // Note [Leaving a plan under tp]: another thread started the microbatch this
+          // one waited for; this one's waits for its own turn.
+          I.p2p->release_token();
+          I.p2p->acquire_token(I.priority(mb, Phase::kForward));
+        }
       }
       struct Done {
         Dispatcher::Impl& I;
         int64_t mb;
         ~Done() {
+          // A body that returned without its backward leaves the plan here, while its
+          // task still holds the token: the same point on every tp rank (Note [Leaving
+          // a plan under tp]).
+          I.microbatch_over(mb);  // Note [Executed plan]
           I.p2p->release_token();
           I.forward_over(mb);     // Note [Forward order]
-          I.microbatch_over(mb);  // Note [Executed plan]
           if (I.grad.ordering) I.announce_done(mb, true);  // Note [Gradient order]
-          std::lock_guard<std::mutex> lock(I.mu);  // a failed or eval microbatch must not block
-          I.step.forwards_done.insert(mb);
-          I.cv.notify_all();
+          int64_t floor;
+          {
+            std::lock_guard<std::mutex> lock(I.mu);  // a failed or eval microbatch must not block
+            I.step.forwards_done.insert(mb);
+            I.step.bodies_over.insert(mb);
+            floor = I.step.lowest_running();
+            I.cv.notify_all();
+          }
+          I.p2p->set_serial_floor(floor);
         }
       } done{I, mb};
       if (!claim_first) I.start_forward_action(mb, I.priority(mb, Phase::kForward));
@@ -394,9 +421,19 @@ void Dispatcher::drive(MicrobatchFn run) {
     // microbatches' tensors in one collective (a hang, or with equal shapes a silently
     // wrong result). So a step without a plan drives one microbatch at a time there:
     // each rank then sees one chain of actions, the program's, on every tp rank alike.
-    // The first training step and steps that leave their plan pay the pipeline bubble.
-    std::lock_guard<std::mutex> lock(I.mu);
-    if (!I.exec.on && is_initialized() && runtime().topology().tp_size() > 1) window = 1;
+    // The first training step pays the pipeline bubble; a planned step that leaves its
+    // plan goes on one microbatch at a time from there (Note [Leaving a plan under tp]
+    // in detail/compute_token.cpp).
+    const bool tp = is_initialized() && runtime().topology().tp_size() > 1;
+    bool planned;
+    {
+      std::lock_guard<std::mutex> lock(I.mu);
+      planned = I.exec.on;
+    }
+    if (!planned && tp) window = 1;
+    // Note [Leaving a plan under tp]: a planned step that leaves its plan goes on one
+    // microbatch at a time.
+    I.p2p->arm_serial(planned && tp);
   }
   const int64_t threads = std::min<int64_t>(window, n);
   std::exception_ptr start_error;
@@ -409,6 +446,7 @@ void Dispatcher::drive(MicrobatchFn run) {
     }
   }
   I.join();
+  I.p2p->arm_serial(false);
   // Note [Zero bubble at run time]: the step ends once every serving rank's W are over.
   std::optional<Message> weight_failure;
   if (!start_error) weight_failure = I.await_weights();
@@ -433,6 +471,8 @@ Message Dispatcher::serve_step() {
   // Requests run from their own streams.
   const RestoreRng outer(I.step.rng_streams, I.step.rng_cuda);
   if (I.grad.ordering) I.announce_idle();  // Note [Gradient order]
+  // Note [Leaving a plan under tp].
+  I.p2p->defer_plan_off(is_initialized() && runtime().topology().tp_size() > 1);
   // The serving threads receive the step's end themselves (it is sticky: every
   // waiter sees it), so a thread that fails ends the step at once, not at a timeout.
   try {
@@ -488,10 +528,23 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
     Message msg = I.p2p->recv(mb, kAny, mask, what, /*yield_token=*/true, priority,
                               RecvOrder::kArrival, for_holder);
     if (is_request(msg)) {  // a nested call back into this rank: run it here
+      bool planned;
       {
         std::lock_guard<std::mutex> lock(I.mu);
         I.exec.nested_seen = true;
+        planned = I.exec.on;
       }
+      // Note [Leaving a plan under tp]: seen first here, while other tasks may have gone
+      // on in the plan, a call back would leave the plan at a point that differs
+      // between tp ranks.
+      if (planned && is_initialized() && runtime().topology().tp_size() > 1)
+        throw ConfigError(str_cat(
+            "smp: pp rank ", msg.src, " called back into pp rank ", I.p2p->rank(),
+            " (microbatch ", msg.mb, ") in a step planned from a training step without "
+            "nested calls; with 'tensor_parallel_degree'=", runtime().topology().tp_size(),
+            " a step cannot leave its plan at a nested call (its tp ranks could pair different "
+            "microbatches in one collective). Make every training step call the same modules "
+            "(a step with nested calls is never planned, so the steps after it run unplanned)"));
       I.leave_plan(str_cat("pp rank ", msg.src, " called back into pp rank ", I.p2p->rank(),
                            " (microbatch ", msg.mb, ") while it awaited an answer: no plan has "
                            "nested calls"));

@@ -182,10 +182,14 @@ void P2PEngine::Impl::fail(const std::string& why) {
   }
   for (auto* w : mail_waiters) w->cv.notify_one();
   unorder_locked();
+  end_serial_locked();  // Note [Leaving a plan under tp]: no wait outlives a failure
 }
 
 void P2PEngine::Impl::deliver_locked(Message m) {
-  if (ends_order(m)) unorder_locked();  // Note [Planned token order]
+  // Note [Planned token order]; Note [Leaving a plan under tp] for the deferred kPlanOff.
+  if (ends_order(m) && !(m.kind == kPlanOff && plan_off_deferred)) unorder_locked();
+  if (m.epoch == epoch && m.kind == kPlanOff) go_serial_locked();  // Note [Leaving a plan under tp]  // Note [Leaving a plan under tp]
+  if (m.epoch == epoch && m.kind == kAbort) end_serial_locked();
   mailbox.push_back(std::move(m));
   const Message& back = mailbox.back();
   for (auto* w : mail_waiters)
@@ -436,6 +440,7 @@ Message P2PEngine::recv(int64_t mb, int64_t call_id, uint32_t kind_mask, const s
 void P2PEngine::begin_step(int64_t epoch) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->unorder_locked();
+  impl_->end_serial_locked();
   impl_->epoch = epoch;
   auto& box = impl_->mailbox;
   box.erase(std::remove_if(box.begin(), box.end(), [&](const Message& m) { return m.epoch < epoch; }),

@@ -158,6 +158,20 @@ class P2PEngine {
   // The planned positions granted since the order last went on, in grant order.
   std::vector<int64_t> planned_grants() const;
 
+  // Note [Leaving a plan under tp] (detail/compute_token.cpp). The driver arms it for
+  // its step when tp > 1 (off: disarmed, and at begin_step(), a kAbort or a failure);
+  // go_serial() turns it on when the step leaves its plan (so does a kPlanOff that
+  // arrives); then the token goes only to tasks of microbatches <= the floor, which
+  // the driver moves up as its microbatches end.
+  void arm_serial(bool armed);
+  // A serving rank under tp: a kPlanOff that arrives leaves the token's order on until
+  // the serving leader takes it (order_token(false)), so the plan ends at the same
+  // request on every tp rank.
+  void defer_plan_off(bool on);
+  void go_serial();
+  void set_serial_floor(int64_t mb);
+  bool serial_now() const;
+
   // The microbatch of the task holding the token (task.h), or -1 (none holds it, or a
   // thread with no task does).
   int64_t token_microbatch() const;

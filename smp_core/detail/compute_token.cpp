@@ -26,7 +26,7 @@ namespace smp {
 
 void P2PEngine::Impl::wake_token_locked() {
   if (token_held || token_waiters.empty()) return;
-  best_token_waiter()->cv.notify_one();
+  if (TokenWaiter* w = best_token_waiter()) w->cv.notify_one();
 }
 
 void P2PEngine::Impl::unorder_locked() {
@@ -39,18 +39,50 @@ bool P2PEngine::Impl::may_take_locked(TokenWaiter* w) {
   return !token_held && best_token_waiter() == w && (!ordered || w->priority <= next_planned);
 }
 
+// Note [Leaving a plan under tp]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under tensor parallelism the tp ranks of a stage must run their distributed blocks'
+// collectives in one order (Note [One microbatch at a time under tp] in dispatch.cpp).
+// A plan fixes that order; a step that leaves its plan mid-step (an evaluation under
+// torch.no_grad() inside a training step, control flow that differs between steps)
+// would go on in timing order, and the two tp ranks of a driver could run microbatch
+// 1's forward and microbatch 0's backward against each other. So the driver arms this
+// for its step when tp > 1, and from the moment it leaves the plan the token goes only
+// to tasks of microbatches up to `serial_floor`, the lowest one whose step body has not
+// returned: the rest of the step runs one microbatch at a time, in microbatch order,
+// the same chain of actions on every tp rank. The serving ranks then see the same
+// sequence of requests from their drivers, and under tp they serve it as it came:
+// the requests sent before the departure in their lists' order, up to the kPlanOff,
+// which the leader takes in its place among them (defer_plan_off: its arrival does
+// not turn the order off by itself, which would make the switch a matter of timing),
+// and everything after it in arrival order (not by priority among whatever has
+// arrived, which also differs with timing). Every departure the driver detects
+// happens while one of its tasks holds the token (a call off the path, a backward
+// begun early, a step body that returned without its backward), so the point where
+// the order changes is the same action on each tp rank; a departure first seen on a
+// serving rank (a nested call back) is refused under tp instead (dispatch.cpp). Tasks
+// with no microbatch (a serving thread's nested request) are not held back; a
+// failure (abort, a lost peer) turns this off, so no wait outlives the step.
+bool P2PEngine::Impl::serial_allows_locked(const TokenWaiter* w) const {
+  if (!serial_on || !w->task) return true;
+  const int64_t mb = w->task->mb.load();
+  return mb < 0 || mb <= serial_floor;
+}
+
 P2PEngine::Impl::TokenWaiter* P2PEngine::Impl::best_token_waiter() {
-  TokenWaiter* best = token_waiters.front();
-  for (auto* w : token_waiters)
-    if (w->priority < best->priority ||
+  TokenWaiter* best = nullptr;
+  for (auto* w : token_waiters) {
+    if (!serial_allows_locked(w)) continue;
+    if (!best || w->priority < best->priority ||
         (w->priority == best->priority && w->ticket < best->ticket))
       best = w;
+  }
   return best;
 }
 
 void P2PEngine::Impl::acquire_locked(std::unique_lock<std::mutex>& lock, int64_t priority,
                                      TaskContext* task) {
-  TokenWaiter me{priority, next_ticket++, {}};
+  TokenWaiter me{priority, next_ticket++, {}, task};
   token_waiters.push_back(&me);
   struct Unregister {
     std::vector<TokenWaiter*>& waiters;
@@ -62,8 +94,22 @@ void P2PEngine::Impl::acquire_locked(std::unique_lock<std::mutex>& lock, int64_t
     // Under a plan a turn can be missed for good only if the step went wrong, and
     // then nothing moves: no token hand-over for the timeout ends the wait (a wait
     // by priority always ends: some task holds the token and gives it back).
-    if (!ordered) {
+    if (!ordered && !serial_on) {
       me.cv.wait(lock);
+      continue;
+    }
+    if (!ordered) {
+      // Note [Leaving a plan under tp]: the floor moves when a microbatch ends, and
+      // every microbatch's wait is bounded, so this one is too.
+      const auto since = last_grant;
+      if (me.cv.wait_until(lock, since + limit) == std::cv_status::timeout && serial_on &&
+          !ordered && !may_take_locked(&me) && last_grant == since)
+        throw TimeoutError(str_cat(
+            "smp: timed out after ", timeout_s, " s waiting for the compute token for "
+            "microbatch ", task ? task->mb.load() : -1, " on pp rank ", rank, ", which after "
+            "the step left its plan under tensor parallelism waits for microbatch ",
+            serial_floor, " to end (Note [Leaving a plan under tp] in "
+            "smp_core/detail/compute_token.cpp)"));
       continue;
     }
     const auto since = last_grant;
@@ -122,13 +168,53 @@ void P2PEngine::order_token(bool on) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto& I = *impl_;
   if (!on) return I.unorder_locked();
-  for (const Message& m : I.mailbox)
-    if (I.ends_order(m)) return;  // the step already ended or left its plan
+  for (const Message& m : I.mailbox)  // the step already ended or left its plan
+    if (I.ends_order(m) && !(m.kind == kPlanOff && I.plan_off_deferred)) return;
   if (!I.fatal.empty()) return;
   I.ordered = true;
   I.next_planned = 0;
   I.grants.clear();
   I.last_grant = std::chrono::steady_clock::now();
+}
+
+void P2PEngine::arm_serial(bool armed) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& I = *impl_;
+  I.serial_armed = armed;
+  I.serial_on = false;
+  I.serial_floor = 0;
+  I.wake_token_locked();
+}
+
+void P2PEngine::defer_plan_off(bool on) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->plan_off_deferred = on;
+}
+
+void P2PEngine::go_serial() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->go_serial_locked();
+}
+
+void P2PEngine::Impl::go_serial_locked() {
+  if (serial_armed && fatal.empty()) serial_on = true;
+}
+
+void P2PEngine::Impl::end_serial_locked() {
+  serial_armed = serial_on = false;
+  wake_token_locked();
+}
+
+void P2PEngine::set_serial_floor(int64_t mb) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  // Monotonic: two microbatches ending together may report their floors out of order.
+  impl_->serial_floor = std::max(impl_->serial_floor, mb);
+  impl_->wake_token_locked();
+}
+
+bool P2PEngine::serial_now() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->serial_on;
 }
 
 bool P2PEngine::token_ordered() const {

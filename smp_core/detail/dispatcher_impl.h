@@ -144,9 +144,13 @@ struct Dispatcher::Impl {
     int64_t microbatches = 1;
     std::atomic<int64_t> next_mb{0};  // driver: the next microbatch to start
     std::set<int64_t> forwards_done;  // "simple"
+    std::set<int64_t> bodies_over;    // driver: microbatches whose step body returned
     bool rng_streams = false, rng_cuda = false;  // Note [Microbatch random streams]
     uint64_t step_seed = 0;
     void begin_step(int64_t microbatches, bool deterministic, bool rng_cuda);
+    // Note [Leaving a plan under tp]: the lowest microbatch whose body has not returned
+    // (the next to start when all started ones have). Under `mu`.
+    int64_t lowest_running() const;
   } step;
 
   // The serving thread that leads, per thread (a thread leads at most one dispatcher).

@@ -69,6 +69,7 @@ struct P2PEngine::Impl {
     int64_t priority;
     uint64_t ticket;
     std::condition_variable cv;
+    TaskContext* task;  // the task it takes the token for (nullptr: none)
   };
   std::vector<TokenWaiter*> token_waiters;
   uint64_t next_ticket = 0;
@@ -78,6 +79,15 @@ struct P2PEngine::Impl {
   bool ordered = false;
   int64_t next_planned = 0;
   std::vector<int64_t> grants;  // planned positions granted, in order
+  // Note [Leaving a plan under tp]: armed by the driver for its step; on once the step
+  // leaves its plan (serial_on); then only tasks of microbatches <= serial_floor (the
+  // driver's lowest unfinished one) may take the token.
+  bool serial_armed = false;
+  // ... and on a serving rank: a kPlanOff turns the order off when the serving leader
+  // takes it (order_token(false)), in its place among the requests, not on arrival.
+  bool plan_off_deferred = false;
+  bool serial_on = false;
+  int64_t serial_floor = 0;
 
   Stats stats;
 
@@ -110,6 +120,10 @@ struct P2PEngine::Impl {
   void unorder_locked();
   // Note [Planned token order]: whether `w` may take the free token now.
   bool may_take_locked(TokenWaiter* w);
+  // Note [Leaving a plan under tp]: whether `w` may take it at all now.
+  bool serial_allows_locked(const TokenWaiter* w) const;
+  void go_serial_locked();
+  void end_serial_locked();
   TokenWaiter* best_token_waiter();
   // `task`: the task taking the token (its thread's, or the holder's when a thread
   // works for the holder).

@@ -359,6 +359,7 @@ void Dispatcher::Impl::leave_plan(const std::string& why, bool report) noexcept 
     }
   }
   p2p->order_token(false);
+  p2p->go_serial();  // Note [Leaving a plan under tp] (the driver, when armed)
   Message off;
   off.kind = kPlanOff;
   tell_pp_ranks(std::move(off), /*to_self=*/false, /*best_effort=*/true);
@@ -385,6 +386,7 @@ void Dispatcher::Impl::leave_plan_on_word() {
     stats.plan_fallbacks++;
   }
   p2p->order_token(false);
+  p2p->go_serial();  // Note [Leaving a plan under tp] (the driver, when armed)
 }
 
 // The step is over: the token goes by priority (nothing counted).

@@ -191,6 +191,54 @@ print("DEPART " + json.dumps({"got": got, "want": want, "planned_steps": st.plan
                               "fallbacks": st.plan_fallbacks}), flush=True)
 """
 
+CALL_BACK = r"""
+import json, sys
+import torch, torch.nn as nn
+import smp
+
+# Note [Leaving a plan under tp]: a nested call back into pp rank 0 in a planned step
+# cannot leave the plan at a point its tp ranks agree on: a ConfigError on every rank.
+smp.init({"ddp": True, "tensor_parallel_degree": 2, "partitions": 2, "microbatches": 2,
+          "timeout_s": 60, "prescaled_batch": True, "auto_partition": False,
+          "default_partition": 0})
+
+class Outer(nn.Module):  # on pp rank 1; calls back into pp rank 0 for some inputs
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        with smp.partition(0):
+            self.back = nn.Linear(8, 8)
+    def forward(self, h, x):
+        h = self.pre(h)
+        return self.back(h) if float(x[0, 0]) > 50 else h
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = smp.nn.DistributedLinear(8, 8)
+        with smp.partition(1):
+            self.outer = Outer()
+    def forward(self, x):
+        return self.outer(self.inp(x), x).sum()
+
+torch.manual_seed(0)
+model = smp.DistributedModel(Net())
+
+@smp.step
+def step(x):
+    loss = model(x)
+    model.backward(loss)
+    return loss
+
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+step(x); step(x)  # unplanned, then planned
+x[:, 0] = 100.0   # every microbatch now calls back
+try:
+    step(x)
+    print("CALLBACK " + json.dumps("no error"), flush=True)
+except Exception as e:
+    print("CALLBACK " + json.dumps(type(e).__name__ + ": " + str(e)), flush=True)
+"""
 
 CASES = {  # world size: its cases, run as one job (tp_reference.one_job)
     2: [("tp2", {}), ("tp2-bf16", {"cfg": {"bf16": True}}),
@@ -211,7 +259,7 @@ def test_lm_head_trains_as_one_process(ranks, world):
     cases = CASES[world]
     jobs = [(TRAIN, (json.dumps(opts), here)) for _, opts in cases]
     if world == 4:  # the steps that leave their plan, in the same job
-        jobs.append((DEPART, ("{}", here)))
+        jobs += [(DEPART, ("{}", here)), (CALL_BACK, ())]
     res = ranks(one_job(jobs), world, timeout=300 * len(jobs))
     per_rank = [case_outputs(r.stdout, "TRAIN") for r in res]
     for k, (name, opts) in enumerate(cases):
@@ -230,6 +278,10 @@ def test_lm_head_trains_as_one_process(ranks, world):
             assert got["fallbacks"] == 1 or got["pp_rank"] == 1, got
             for step, (a, b) in enumerate(zip(got["got"], got["want"])):
                 assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (step, a, b)
+        for r in res:
+            said = case_outputs(r.stdout, "CALLBACK")[len(cases) + 1]
+            assert said and "ConfigError" in said and "called back into pp rank 0" in said \
+                and "'tensor_parallel_degree'=2" in said, (said, r.stdout[-3000:])
 
 
 def _check(name, opts, reports):

@@ -75,41 +75,55 @@ def renamed(keys, former):
     return out
 
 
-def exchange(have, needed, group=None):
+def exchange(have, needed, group=None, tag=None, tagged=()):
     """Gives every rank of `group` (the pp group by default) the entries it needs that
     other ranks hold.
 
     Args:
         have: this rank's entries {name: value}.
         needed: the names this rank needs.
+        tag: this rank's tag (e.g. its tp rank), and `tagged` the names in `needed`
+            that only a rank of the same tag may provide (a tp slice's state: one name
+            on every tp rank, a different piece; Note [Sharded tp slices] in
+            smp/optimizer_sharding.py).
 
     Returns:
         {name: value} for the names in `needed` that this rank lacks and another rank
-        holds (the lowest such rank of the group provides it), and the union of every
-        rank's names. Collective over `group`; moves only the entries some rank lacks.
+        holds (the lowest such rank of the group provides it; of the same tag for a
+        tagged name), and the union of every rank's names. Collective over `group`;
+        moves only the entries some rank lacks.
     """
     group = CommGroup.PP_GROUP if group is None else group
     if not is_initialized() or len(members(group)) == 1:
         return {}, set(have)
     me = members(group).index(rank())
-    infos = allgather((sorted(have), sorted(needed)), group)
+    tagged = set(tagged)
+    infos = allgather((sorted(have), sorted(needed), tag, sorted(tagged & set(needed))),
+                      group)
     holders = collections.defaultdict(list)
-    for r, (keys, _) in enumerate(infos):
+    for r, (keys, _, _, _) in enumerate(infos):
         for k in keys:
             holders[k].append(r)
+
+    def provider(k, want_tag, only_tag):
+        rs = [r for r in holders.get(k, ()) if not only_tag or infos[r][2] == want_tag]
+        return rs[0] if rs else None
+
     provide = set()
-    for r, (keys, wants) in enumerate(infos):
-        own = set(keys)
+    for r, (keys, wants, t, only) in enumerate(infos):
+        own, only = set(keys), set(only)
         for k in wants:
-            if k not in own and holders.get(k) and holders[k][0] == me:
+            if k not in own and provider(k, t, k in only) == me:
                 provide.add(k)
     sent = allgather({k: have[k] for k in sorted(provide)}, group)
     got = {}
     mine = set(have)
-    for r, part in enumerate(sent):
-        for k, v in part.items():
-            if k in needed and k not in mine and k not in got:
-                got[k] = v
+    for k in needed:
+        if k in mine:
+            continue
+        src = provider(k, tag, k in tagged)
+        if src is not None and k in sent[src]:
+            got[k] = sent[src][k]
     return got, set(holders)
 
 

@@ -208,7 +208,10 @@ def _load_state_dict(self, state_dict):
     if partial or from_shards:  # a sharded optimizer's entries may be on any rank
         group = (CommGroup.WORLD
                  if from_shards or optimizer_sharding.of(self) is not None else None)
-        got, _ = model_state.exchange(state, needed, group)
+        # Note [Sharded tp slices]: over the world a slice's state (one name on every
+        # tp rank, another piece) comes only from a rank of this tp rank.
+        sliced = [n for n, p in zip(names, params) if tp_state.mark_of(p) is not None]
+        got, _ = model_state.exchange(state, needed, group, tag=tp_rank(), tagged=sliced)
         state.update(got)
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(self.param_groups):

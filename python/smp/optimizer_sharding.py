@@ -58,7 +58,9 @@ parameter (`_smp_tp_dim`) is a different slice on each tp rank: only its rdp gro
   ranks: `optimizer.local_state_dict()` gathering the dp group's shares takes a slice's
   state from this tp rank's shares only, and `smp.load(f, partial=True)` of the shares
   (`v3=True`) reads every one and merges them as tp parts (smp/checkpoint/_read.py),
-  as resume_from_checkpoint does.
+  as resume_from_checkpoint does; the entries a partial load lacks (another stage's
+  part holds them) are exchanged over the world, a slice's only between ranks of one
+  tp rank (model_state.exchange's tags).
 Each rank's optimizer state is then about (replicated + tp x sliced) / dp of a stage's
 elements, against replicated + sliced unsharded.
 

@@ -10,7 +10,8 @@ saves under smp's former names (linear.weight) still load. A sharded optimizer
 (shard_optimizer_state) at tp=2 x rdp=2: a partial save resumes bitwise, a full one at
 tp=1 and back at tp=2 (1e-6, optimizer state included); its partial saves (gathered
 local state, shares) read with smp.load(partial=True) give each tp rank its own slices'
-optimizer state (bitwise, also at tp=1)."""
+optimizer state (bitwise, also at tp=1, and a tp=2 x pp=2 one at tp=2 x pp=2 with
+the layers on other stages, whose missing entries are exchanged)."""
 import importlib.util
 import json
 import os
@@ -38,14 +39,16 @@ KW = dict(num_layers=2, num_attention_heads=4, attention_head_size=4, hidden_siz
           pre_layernorm=True, post_layernorm=True)
 
 
-def start(tp, seed=0, pp=1, shard=False):
+def start(tp, seed=0, pp=1, shard=False, stages=None):
+    # stages: each layer's pp rank, placed by hand (else auto_partition's)
     smp.init({"ddp": True, "tensor_parallel_degree": tp, "partitions": pp,
-              "microbatches": pp, "shard_optimizer_state": shard, "timeout_s": 60})
+              "microbatches": pp, "shard_optimizer_state": shard, "timeout_s": 60,
+              **({"auto_partition": False} if stages else {})})
     torch.manual_seed(seed)
     model = smp.DistributedModel(smp.nn.DistributedTransformerLMHead(**KW))
     if pp > 1:
         for i, layer in enumerate(model.get_module().transformer.seq_layers.children()):
-            smp.set_partition(layer, i % pp)
+            smp.set_partition(layer, stages[i] if stages else i % pp)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
 
     @smp.step
@@ -501,6 +504,23 @@ if smp.rank() == 0:
     names = [n for n, _ in model.get_module().named_parameters()]
     torch.save({"losses": a_losses, "state": a_full, "names": names,
                 "opt": a_opt["state"], "saved_opt": saved_opt}, os.path.join(D, "sh_want.pt"))
+smp.shutdown()
+
+# A partial save at tp=2 x pp=2 (gathered local state) read at tp=2 x pp=2 with the
+# layers placed by hand (both on one stage): a stage lacks entries its part does not
+# hold, exchanged over the world, and a slice's state only between ranks of one tp
+# rank (a slice has one name and shape on every tp rank: by name alone a tp rank got
+# another's piece of Adam's state). Loaded after a step (partitioned, not deferred).
+model, opt, train = start(2, seed=4, pp=2, shard=True)
+for i in range(2):
+    train(i)
+smp.save(opt.local_state_dict(), os.path.join(D, "sh_pp2"), partial=True)
+saved_opt = opt.state_dict()["state"]
+smp.shutdown()
+model, opt, train = start(2, seed=5, pp=2, shard=True, stages=[1, 1])
+train(0)
+opt.load_state_dict(smp.load(os.path.join(D, "sh_pp2"), partial=True))
+check_same_opt(opt.state_dict()["state"], saved_opt, "sh_pp2, other layers per stage")
 print("SHARDED ok", flush=True)
 """
 

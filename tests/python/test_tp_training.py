@@ -46,7 +46,29 @@ if opts.get("checkpointing"):
 # With prescaled_batch the tp ranks of a replica read the same batch.
 batches, me = (smp.rdp_size(), smp.rdp_rank()) if cfg.get("prescaled_batch") else (dp, smp.dp_rank())
 opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+# Half precision: the reference in that dtype with fp32 masters that AdamW steps, as
+# smp trains it (the default static loss scale 1; an overflowing step is skipped).
+hdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
+    next((k for k in ("fp16", "bf16") if cfg.get(k)), None))
+if hdtype is not None:
+    reference = reference.to(hdtype)
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in reference.parameters()]
+ref_opt = torch.optim.AdamW(masters if hdtype is not None else reference.parameters(), lr=1e-2)
+
+def ref_step():
+    if hdtype is not None:
+        grads = [p.grad for p in reference.parameters()]
+        if any(g is not None and not torch.isfinite(g.float()).all() for g in grads):
+            reference.zero_grad()
+            return
+        for p, m in zip(reference.parameters(), masters):
+            m.grad = None if p.grad is None else p.grad.float()
+    ref_opt.step(); ref_opt.zero_grad()
+    if hdtype is not None:
+        with torch.no_grad():
+            for p, m in zip(reference.parameters(), masters):
+                p.copy_(m)
+        reference.zero_grad()
 
 @smp.step
 def step(ids):
@@ -77,7 +99,7 @@ for i in range(20):
     loss = out.reduce_mean().detach().clone()
     dist.all_reduce(loss, group=smp.get_dp_process_group())
     losses.append(loss.item() / dp)  # (prescaled: each replica's loss tp times)
-    ref_opt.step(); ref_opt.zero_grad()
+    ref_step()
     ref_losses.append(total.item())
 
 diff, worst = 0.0, None
@@ -297,9 +319,10 @@ def _check(name, opts, reports):
         assert sum(g["stepped"] for g in reports) == whole + 2 * sliced, (name, reports)
     for got in reports:
         half = opts.get("cfg", {}).keys() & {"bf16", "fp16"}
-        if half:  # against the fp32 reference: half precision's rounding, no more
-            for a, b in zip(got["losses"], got["ref"]):
-                assert abs(a - b) < 3e-2 * abs(b), (name, got["losses"], got["ref"])
+        if half:  # against the reference in the same dtype (fp32 masters): the tp split's
+            # partial sums round apart; measured 1.1e-3 (fp16), 8.6e-3 (bf16) over 20 steps
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], got["ref"]))
+            assert worst < (5e-3 if "fp16" in half else 3e-2), (name, got["losses"], got["ref"])
             continue
         for a, b in zip(got["losses"], got["ref"]):
             assert abs(a - b) < 1e-5, (name, got["losses"], got["ref"])

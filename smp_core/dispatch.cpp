@@ -22,6 +22,12 @@
 #include "smp_core/task_rng.h"
 
 namespace smp {
+
+namespace {
+// The tp degree (1 before smp.init): its ranks keep one order of actions (Note [One
+// microbatch at a time under tp], Note [Leaving a plan under tp]).
+int tp_degree() { return is_initialized() ? runtime().topology().tp_size() : 1; }
+}  // namespace
 namespace {
 
 using detail::bit;
@@ -199,7 +205,7 @@ void Dispatcher::Impl::run(const Message& msg) {
 // Body of a serving thread (Note [Serving]).
 void Dispatcher::Impl::serve_loop() {
   // Note [Leaving a plan under tp]: requests are served as they came from the driver.
-  const bool tp = is_initialized() && runtime().topology().tp_size() > 1;
+  const bool tp = tp_degree() > 1;
   struct NotLeading {
     Impl* me;
     ~NotLeading() {
@@ -424,7 +430,7 @@ void Dispatcher::drive(MicrobatchFn run) {
     // The first training step pays the pipeline bubble; a planned step that leaves its
     // plan goes on one microbatch at a time from there (Note [Leaving a plan under tp]
     // in detail/compute_token.cpp).
-    const bool tp = is_initialized() && runtime().topology().tp_size() > 1;
+    const bool tp = tp_degree() > 1;
     bool planned;
     {
       std::lock_guard<std::mutex> lock(I.mu);
@@ -472,7 +478,7 @@ Message Dispatcher::serve_step() {
   const RestoreRng outer(I.step.rng_streams, I.step.rng_cuda);
   if (I.grad.ordering) I.announce_idle();  // Note [Gradient order]
   // Note [Leaving a plan under tp].
-  I.p2p->defer_plan_off(is_initialized() && runtime().topology().tp_size() > 1);
+  I.p2p->defer_plan_off(tp_degree() > 1);
   // The serving threads receive the step's end themselves (it is sticky: every
   // waiter sees it), so a thread that fails ends the step at once, not at a timeout.
   try {
@@ -537,11 +543,11 @@ Message Dispatcher::wait(int64_t mb, int64_t call_id, int32_t kind, bool backwar
       // Note [Leaving a plan under tp]: seen first here, while other tasks may have gone
       // on in the plan, a call back would leave the plan at a point that differs
       // between tp ranks.
-      if (planned && is_initialized() && runtime().topology().tp_size() > 1)
+      if (planned && tp_degree() > 1)
         throw ConfigError(str_cat(
             "smp: pp rank ", msg.src, " called back into pp rank ", I.p2p->rank(),
             " (microbatch ", msg.mb, ") in a step planned from a training step without "
-            "nested calls; with 'tensor_parallel_degree'=", runtime().topology().tp_size(),
+            "nested calls; with 'tensor_parallel_degree'=", tp_degree(),
             " a step cannot leave its plan at a nested call (its tp ranks could pair different "
             "microbatches in one collective). Make every training step call the same modules "
             "(a step with nested calls is never planned, so the steps after it run unplanned)"));
